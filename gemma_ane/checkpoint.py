@@ -1,0 +1,161 @@
+"""Lazy, text-only reading of a Hugging Face Gemma 4 safetensors checkpoint.
+
+The safetensors format is a JSON header plus raw little-endian arrays, so we read it with numpy
+and mmap instead of materialising shards: a tensor costs memory only while the caller holds it,
+and the vision/audio towers of the multimodal checkpoint are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .spec import ModelSpec
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32, "I64": np.int64}
+# Text weights live under one of these prefixes; everything else (towers, embedders) is skipped.
+_PREFIXES = ("model.language_model.", "model.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the file or tensor."""
+
+
+def _read_header(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: truncated safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100_000_000:
+                raise CheckpointError(f"{path}: implausible safetensors header size {n}")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    for name, entry in header.items():
+        entry["offset"] = 8 + n
+    return header
+
+
+class Checkpoint:
+    """`ckpt[name]` returns one text tensor as float32 (bf16/fp16 widened), read on demand.
+
+    Names are relative to the language model: `layers.3.self_attn.q_proj.weight`.
+    """
+
+    def __init__(self, src: str | Path, spec: ModelSpec | None = None):
+        self.root = Path(src)
+        if not self.root.is_dir():
+            raise CheckpointError(f"{src}: not a checkpoint directory")
+        self.spec = spec or ModelSpec.from_pretrained(self.root)
+        index = self.root / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: broken shard index ({type(e).__name__}: {e})") from None
+            for f in files:
+                if not isinstance(f, str) or "/" in f or f.startswith(".") or not (self.root / f).is_file():
+                    raise CheckpointError(f"{index}: lists shard {f!r}, which is not in {self.root}")
+        else:
+            files = sorted(p.name for p in self.root.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.root}: no *.safetensors weights (and no model.safetensors.index.json)")
+        self.entries: dict[str, tuple[Path, dict]] = {}
+        for f in files:
+            path = self.root / f
+            for name, entry in _read_header(path).items():
+                self.entries[name] = (path, entry)
+        self.prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in self.entries), None)
+        if self.prefix is None:
+            raise CheckpointError(
+                f"{self.root}: no embed_tokens.weight under model.language_model. or model.: not a Gemma 4 checkpoint"
+            )
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """Every text tensor the graph needs, with its shape."""
+        s = self.spec
+        H, P = s.hidden_size, s.per_layer_dim
+        out = {
+            "embed_tokens.weight": (s.vocab_size, H),
+            "embed_tokens_per_layer.weight": (s.vocab_size_per_layer_input, s.per_layer_total),
+            "per_layer_model_projection.weight": (s.per_layer_total, H),
+            "per_layer_projection_norm.weight": (P,),
+            "norm.weight": (H,),
+        }
+        for i in range(s.num_layers):
+            D, I, kvh = s.head_dims[i], s.intermediate_sizes[i], s.kv_heads[i]
+            p = f"layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm", "post_per_layer_input_norm"):
+                out[p + n + ".weight"] = (H,)
+            out[p + "layer_scalar"] = (1,)
+            out[p + "self_attn.q_proj.weight"] = (s.num_heads * D, H)
+            out[p + "self_attn.q_norm.weight"] = (D,)
+            out[p + "self_attn.o_proj.weight"] = (H, s.num_heads * D)
+            if s.owns_cache(i):
+                out[p + "self_attn.k_proj.weight"] = (kvh * D, H)
+                out[p + "self_attn.k_norm.weight"] = (D,)
+                if not s.k_eq_v[i]:
+                    out[p + "self_attn.v_proj.weight"] = (kvh * D, H)
+            out[p + "mlp.gate_proj.weight"] = (I, H)
+            out[p + "mlp.up_proj.weight"] = (I, H)
+            out[p + "mlp.down_proj.weight"] = (H, I)
+            out[p + "per_layer_input_gate.weight"] = (P, H)
+            out[p + "per_layer_projection.weight"] = (H, P)
+        return out
+
+    def validate(self) -> None:
+        for name, shape in self.expected().items():
+            full = self.prefix + name
+            if full not in self.entries:
+                raise CheckpointError(f"{self.root}: missing tensor {full}")
+            path, entry = self.entries[full]
+            if tuple(entry["shape"]) != shape:
+                raise CheckpointError(
+                    f"{path.name}: tensor {full} has shape {tuple(entry['shape'])}, expected {shape}"
+                )
+            if entry["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{path.name}: tensor {full} has unsupported dtype {entry['dtype']}")
+
+    def dtype_of(self, name: str) -> str:
+        return self.entries[self.prefix + name][1]["dtype"]
+
+    def __contains__(self, name: str) -> bool:
+        return self.prefix + name in self.entries
+
+    def raw(self, name: str) -> np.ndarray:
+        """A read-only view into the mapped shard (bf16 as uint16 bits)."""
+        full = self.prefix + name
+        if full not in self.entries:
+            raise CheckpointError(f"{self.root}: missing tensor {full}")
+        path, entry = self.entries[full]
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        begin, end = entry["data_offsets"]
+        dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
+        count = int(np.prod(entry["shape"], dtype=np.int64))
+        if end - begin != count * dtype.itemsize or entry["offset"] + end > len(self._maps[path]):
+            raise CheckpointError(f"{path.name}: tensor {full} is truncated or its offsets are inconsistent")
+        return np.frombuffer(self._maps[path], dtype=dtype, count=count, offset=entry["offset"] + begin).reshape(entry["shape"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self.raw(name)
+        if self.dtype_of(name) == "BF16":
+            # bf16 is the top half of a float32: widen by shifting the bits into place.
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr.astype(np.float32)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()

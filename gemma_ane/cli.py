@@ -1,0 +1,101 @@
+"""`gemma-ane`: a thin shell over the Python API. Every failure the user can cause is one line
+on stderr and exit status 2; nothing here computes anything itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .checkpoint import CheckpointError
+from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
+
+
+def _plan_table(plan: ChunkPlan) -> str:
+    lines = [f"context {plan.context}, window {plan.window}, prefill batch {plan.prefill_batch}, split {plan.split[0]},{plan.split[1]}"]
+    for c in plan.chunks:
+        lines.append(f"\n{c.name}: layers {c.layers[0]}-{c.layers[-1]}" + ("  (stateless, + final norm, LM head, softcap)" if c.has_head else ""))
+        for name, t in c.states.items():
+            lines.append(f"  state  {name:<24} {str(list(t.shape)):<22} {t.dtype}")
+        for fname, io in c.functions.items():
+            lines.append(f"  {fname}")
+            for kind in ("inputs", "outputs"):
+                for name, t in io[kind].items():
+                    lines.append(f"    {kind[:-1]:<6} {name:<24} {str(list(t.shape)):<22} {t.dtype}")
+    return "\n".join(lines)
+
+
+def cmd_plan(a):
+    plan = ChunkPlan.build(ModelSpec.from_pretrained(a.src), a.context, a.prefill_batch, parse_split(a.split))
+    print(json.dumps(plan.to_json(), indent=2) if a.json else _plan_table(plan))
+
+
+def cmd_tiny(a):
+    from .tiny import write_tiny
+
+    out = write_tiny(a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force)
+    print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}")
+
+
+def cmd_verify(a):
+    from .verify import verify_graph
+
+    report = verify_graph(a.src, tokens=a.tokens, precision=a.precision, seed=a.seed,
+                          prompt_len=a.prompt_tokens, prefill_batch=a.prefill_batch)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions: "
+              f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
+              f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}")
+    return 0 if report["passed"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("plan", help="show how the model splits into Core ML chunks")
+    s.add_argument("src", help="config.json or checkpoint directory")
+    s.add_argument("--context", type=int, default=2048)
+    s.add_argument("--prefill-batch", type=int, default=8)
+    s.add_argument("--split", help="a,b: chunk_2 starts at layer a, chunk_3 at layer b")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("tiny", help="write a random tiny Gemma 4 checkpoint (needs transformers)")
+    s.add_argument("out")
+    s.add_argument("--preset", default="e2b-mini")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    s.add_argument("--shards", type=int, default=1)
+    s.add_argument("--force", action="store_true")
+    s.set_defaults(fn=cmd_tiny)
+
+    s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
+    s.add_argument("src", help="Hugging Face checkpoint directory")
+    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
+    s.add_argument("--precision", default="fp32", choices=["fp32", "fp16"])
+    s.add_argument("--prefill-batch", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_verify)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except (ConfigError, CheckpointError, FileExistsError, ValueError, OSError) as e:
+        print(f"gemma-ane {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"gemma-ane {args.command}: error: {e.name or e} is not installed "
+              f"(pip install 'gemma-ane[convert,dev]')", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

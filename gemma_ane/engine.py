@@ -1,0 +1,132 @@
+"""The step driver: feeds token ids through the chunks exactly as SPEC §3 prescribes.
+
+It is backend-agnostic and torch-free. A backend is one object per chunk with
+`predict(function_name, inputs) -> outputs` that keeps its own state (the KV caches); the same
+driver runs the PyTorch graph, the MIL executor and Core ML, so what the tests prove about the
+scheduling holds for every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .host import batch_is_exact, dequantize_rows, full_mask, sliding_mask
+from .spec import FULL, SLIDING
+
+
+class ContextOverflow(ValueError):
+    pass
+
+
+@dataclass
+class HostTables:
+    """Everything the host contributes to a step: int8 tables (arrays or memmaps) and RoPE rows."""
+
+    embed_q: np.ndarray  # int8 [V, H]
+    embed_scales: np.ndarray  # fp16 [V]
+    ple_q: np.ndarray  # int8 [V, L*P]
+    ple_scales: np.ndarray  # fp16 [V]
+    embed_scale: float
+    per_layer_embed_scale: float
+    rope: dict  # layer type -> (cos [rows, D], sin [rows, D])
+
+    def embed(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(hidden_states (1,T,H), per_layer_raw (1,T,L*P)) in float32; only these rows are read."""
+        ids = np.asarray(ids, dtype=np.int64)
+        h = dequantize_rows(self.embed_q[ids], self.embed_scales[ids], self.embed_scale)
+        ple = dequantize_rows(self.ple_q[ids], self.ple_scales[ids], self.per_layer_embed_scale)
+        return h[None], ple[None]
+
+    def rope_rows(self, layer_type: str, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = self.rope[layer_type]
+        return (np.asarray(cos[p0:p0 + T], np.float32)[None, None],
+                np.asarray(sin[p0:p0 + T], np.float32)[None, None])
+
+
+class Engine:
+    """Owns the position and drives chunk backends. Chunks are named chunk_1..chunk_3 in order."""
+
+    def __init__(self, chunks: list, host: HostTables, *, context: int, window: int, prefill_batch: int | None):
+        self.chunks, self.host = chunks, host
+        self.context, self.window, self.prefill_batch = context, window, prefill_batch
+        self.position = 0
+
+    def reset(self) -> None:
+        for c in self.chunks:
+            c.reset_state()
+        self.position = 0
+
+    def _inputs(self, ids: np.ndarray, p0: int) -> dict:
+        T = len(ids)
+        h, ple = self.host.embed(ids)
+        x = {
+            "hidden_states": h,
+            "per_layer_raw": ple,
+            "causal_mask_full": full_mask(p0, T, self.context, np.float32),
+            "causal_mask_sliding": sliding_mask(p0, T, self.window, np.float32),
+            "current_pos": np.array([p0], np.int32),
+            "ring_pos": np.array([p0 % self.window], np.int32),
+        }
+        for t, (c, s) in ((SLIDING, ("cos_s", "sin_s")), (FULL, ("cos_f", "sin_f"))):
+            if t in self.host.rope:
+                x[c], x[s] = self.host.rope_rows(t, p0, len(ids))
+        return x
+
+    def _head(self, x: dict, kv: dict, row: int | None) -> np.ndarray:
+        """chunk_3 for one row (the last one by default): returns logits (vocab,) float32."""
+        c3 = self.chunks[2]
+        if row is None:
+            feed = {**x, **kv}
+        else:  # one row of a batch: its own mask row hides the batch's later rows
+            feed = {k: (v[:, row:row + 1] if k in ("hidden_states", "per_layer_combined") else
+                        v[:, :, row:row + 1] if k.startswith(("causal_mask", "cos_", "sin_")) else v)
+                    for k, v in {**x, **kv}.items()}
+        return np.asarray(c3.predict("infer", feed)["logits"], np.float32).reshape(-1)
+
+    def _run(self, ids: np.ndarray, function: str, want: str) -> list[np.ndarray]:
+        """One call of chunk_1, chunk_2 and (if logits are wanted) chunk_3 on ids at self.position."""
+        p0, T = self.position, len(ids)
+        x = self._inputs(ids, p0)
+        out1 = self.chunks[0].predict(function, x)
+        x["hidden_states"] = out1["hidden_states_out"]
+        x["per_layer_combined"] = out1["per_layer_combined_out"]
+        out2 = self.chunks[1].predict(function, x)
+        x["hidden_states"] = out2["hidden_states_out"]
+        kv = {k: v for k, v in out2.items() if k.startswith("kv")}
+        self.position += T
+        if want == "none":
+            return []
+        if T == 1:
+            return [self._head(x, kv, None)]
+        rows = range(T) if want == "all" else [T - 1]
+        return [self._head(x, kv, r) for r in rows]
+
+    def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:
+        """Process `ids` from the current position.
+
+        logits="last": only the last token's logits (what generation needs; chunk_3 runs once);
+        logits="all": every position's logits (for verification; chunk_3 runs per row);
+        logits="none": just fill the caches.
+        Batches of `prefill_batch` run only where they are exactly causal (inside the first pass
+        of the ring); everything else, and always the last token, goes through `infer`.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if self.position + len(ids) > self.context:
+            raise ContextOverflow(
+                f"{self.position + len(ids)} tokens exceed the context of {self.context}"
+            )
+        results, i, n, B = [], 0, len(ids), self.prefill_batch
+        while i < n:
+            p = self.position
+            batch_ok = B is not None and B > 1 and batch_is_exact(p, B, self.window, self.context)
+            if batch_ok and (n - i - 1 >= B or logits == "all" and n - i >= B):
+                want = "all" if logits == "all" else "none"
+                results += self._run(ids[i:i + B], f"prefill_b{B}", want)
+                i += B
+            else:
+                want = logits if (logits == "all" or i == n - 1) else "none"
+                results += self._run(ids[i:i + 1], "infer", "last" if want != "none" else "none")
+                i += 1
+        return results

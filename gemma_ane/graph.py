@@ -1,0 +1,252 @@
+"""The Gemma 4 text decoder as three Core ML-ready chunks (PyTorch).
+
+Module and parameter names follow the checkpoint (`layers.8.self_attn.q_proj.weight`), so loading
+is a plain state_dict copy. Everything is shaped for conversion to a static-shape ML Program that
+runs on the ANE:
+- batch 1, static T; positions, masks and RoPE rows arrive as inputs, so no position is baked in;
+- KV caches are registered buffers (Core ML states), written by slice assignment at an int32
+  input position and then read back whole: the program does one `slice_update` per cache write;
+- every projection is an nn.Linear (palettizable, and the ANE's best op);
+- RMSNorm divides by max|x| before squaring, because Gemma's residual stream is large enough for
+  mean(x^2) to overflow fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .spec import Chunk, ChunkPlan, ModelSpec, kv_name
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * w, with the weight used as stored (no Gemma-3 `1 + w`).
+
+    Written as y = x/m, y / sqrt(mean(y^2) + eps/m^2) with m = max|x|: identical in exact math,
+    and in fp16 y^2 <= 1 cannot overflow where x^2 would (|x| > 256).
+    """
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x):
+        m = x.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        y = x / m
+        y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + self.eps / (m * m))
+        return y * self.weight if self.weight is not None else y
+
+
+def rope(x, cos, sin):
+    """Split-half rotation (pairs i <-> i + d/2), as transformers' rotate_half."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        H, D, nh, kvh = spec.hidden_size, spec.head_dims[layer], spec.num_heads, spec.kv_heads[layer]
+        self.head_dim, self.num_heads, self.kv_heads = D, nh, kvh
+        self.q_proj = nn.Linear(H, nh * D, bias=False)
+        self.q_norm = RMSNorm(D, spec.rms_norm_eps)
+        self.owns_cache = spec.owns_cache(layer)
+        self.k_eq_v = spec.k_eq_v[layer]
+        if self.owns_cache:  # KV-shared layers have no K/V weights at all
+            self.k_proj = nn.Linear(H, kvh * D, bias=False)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(H, kvh * D, bias=False)
+            self.k_norm = RMSNorm(D, spec.rms_norm_eps)
+            self.v_norm = RMSNorm(D, spec.rms_norm_eps, with_scale=False)
+        self.o_proj = nn.Linear(nh * D, H, bias=False)
+
+    def new_kv(self, x, cos, sin):
+        """K, V for the rows of x, (1, kv_heads, T, D); K is rotated before it is cached."""
+        T = x.shape[1]
+        k_raw = self.k_proj(x).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v_raw = k_raw if self.k_eq_v else self.v_proj(x).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rope(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
+
+    def forward(self, x, cos, sin, k, v, mask):
+        """x (1,T,H); k, v (1,kv_heads,S,D) already hold this step's rows; mask (1,1,T,S) additive."""
+        T, D, g = x.shape[1], self.head_dim, self.num_heads // self.kv_heads
+        q = self.q_proj(x).view(1, T, self.num_heads, D).transpose(1, 2)
+        q = rope(self.q_norm(q), cos, sin)
+        # Grouped heads become extra query rows of their KV head: one batched matmul per KV head
+        # instead of materialising repeated K/V (the cache is the largest tensor the ANE reads).
+        q = q.reshape(1, self.kv_heads, g * T, D)
+        scores = torch.matmul(q, k.transpose(2, 3))  # Gemma 4 attention scale is 1.0
+        scores = scores + (mask.repeat(1, 1, g, 1) if g > 1 else mask)
+        attn = torch.matmul(torch.softmax(scores, dim=-1), v)
+        attn = attn.reshape(1, self.num_heads, T, D).transpose(1, 2).reshape(1, T, self.num_heads * D)
+        return self.o_proj(attn)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        H, P, eps = spec.hidden_size, spec.per_layer_dim, spec.rms_norm_eps
+        self.self_attn = Attention(spec, layer)
+        self.mlp = MLP(H, spec.intermediate_sizes[layer])
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.per_layer_input_gate = nn.Linear(H, P, bias=False)
+        self.per_layer_projection = nn.Linear(P, H, bias=False)
+        self.post_per_layer_input_norm = RMSNorm(H, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x, h, per_layer_input, cos, sin, k, v, mask):
+        """x is the residual stream, h = input_layernorm(x) (the chunk derives K/V from it)."""
+        x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, k, v, mask))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+        x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return x * self.layer_scalar
+
+
+class ChunkModel(nn.Module):
+    """One chunk of the plan. `forward(*inputs)` takes the plan's inputs in order and returns its
+    outputs in order; the same module serves every T (the function is fixed by the traced shapes)."""
+
+    def __init__(self, plan: ChunkPlan, chunk: Chunk):
+        super().__init__()
+        spec = plan.spec
+        self.spec, self.chunk = spec, chunk
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, i) for i in chunk.layers})
+        if chunk.computes_ple:
+            self.per_layer_model_projection = nn.Linear(spec.hidden_size, spec.per_layer_total, bias=False)
+            self.per_layer_projection_norm = RMSNorm(spec.per_layer_dim, spec.rms_norm_eps)
+        if chunk.has_head:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        for name, t in chunk.states.items():
+            self.register_buffer(name, torch.zeros(t.shape))
+        fn = next(iter(chunk.functions.values()))
+        self.input_names = list(fn["inputs"])
+        self.output_names = list(fn["outputs"])
+
+    def reset_state(self):
+        for name in self.chunk.states:
+            getattr(self, name).zero_()
+
+    def _write(self, layer: int, k, v, pos):
+        """Cache this step's K/V rows of `layer` at slot `pos`, then return the whole cache of it.
+        Sliding heads are zero-padded to the state width: one state holds both head sizes."""
+        name, row = self.chunk.slot(layer)
+        cache = getattr(self, name)
+        T, D, width = k.shape[2], k.shape[3], cache.shape[-1]
+        if D < width:
+            pad = torch.zeros(1, k.shape[1], T, width - D, dtype=k.dtype)
+            k, v = torch.cat([k, pad], dim=-1), torch.cat([v, pad], dim=-1)
+        cache[row:row + 1, :, pos:pos + T, :] = k.to(cache.dtype)
+        cache[row + 1:row + 2, :, pos:pos + T, :] = v.to(cache.dtype)
+        return self._read(layer, D)
+
+    def _read(self, layer: int, D: int):
+        name, row = self.chunk.slot(layer)
+        cache = getattr(self, name)
+        return cache[row:row + 1, :, :, :D], cache[row + 1:row + 2, :, :, :D]
+
+    def forward(self, *inputs):
+        spec, chunk = self.spec, self.chunk
+        x = dict(zip(self.input_names, inputs))
+        h = x["hidden_states"]
+        T = h.shape[1]
+        if chunk.computes_ple:
+            # The context half of PLE: project the scaled embedding, normalise each layer's slice,
+            # add the token's own PLE row and average the two (2^-1/2).
+            proj = self.per_layer_model_projection(h) * spec.hidden_size**-0.5
+            proj = self.per_layer_projection_norm(proj.view(1, T, spec.num_layers, spec.per_layer_dim))
+            raw = x["per_layer_raw"].view(1, T, spec.num_layers, spec.per_layer_dim)
+            per_layer = ((proj + raw) * 2**-0.5).view(1, T, spec.per_layer_total)
+        else:
+            per_layer = x["per_layer_combined"]
+
+        for key, layer in self.layers.items():
+            i = int(key)
+            sliding = spec.is_sliding(i)
+            cos, sin = (x["cos_s"], x["sin_s"]) if sliding else (x["cos_f"], x["sin_f"])
+            mask = x["causal_mask_sliding"] if sliding else x["causal_mask_full"]
+            hn = layer.input_layernorm(h)
+            src, attn = spec.kv_source[i], layer.self_attn
+            if src == i:
+                pos = x["ring_pos"] if sliding else x["current_pos"]
+                k, v = self._write(i, *attn.new_kv(hn, cos, sin), pos)
+            elif src in chunk.layers:  # KV-shared layer whose producer ran earlier in this chunk
+                k, v = self._read(src, attn.head_dim)
+            else:  # producer lives in chunk_2: its caches arrive as inputs
+                k, v = x[kv_name(src, "k")], x[kv_name(src, "v")]
+            P = spec.per_layer_dim
+            h = layer(h, hn, per_layer[:, :, i * P:(i + 1) * P], cos, sin, k, v, mask)
+
+        if chunk.has_head:
+            last = self.norm(h[:, -1:, :])
+            logits = self.lm_head(last)
+            if spec.final_logit_softcapping is not None:
+                cap = spec.final_logit_softcapping
+                logits = torch.tanh(logits / cap) * cap
+            return (logits,)
+        outs = [h]
+        if chunk.computes_ple:
+            outs.append(per_layer)
+        for name in self.output_names[len(outs):]:  # kv{p}_k / kv{p}_v: the producers' whole caches
+            p, which = int(name[2:].split("_")[0]), name.rsplit("_", 1)[1]
+            k, v = self._read(p, spec.head_dims[p])
+            outs.append(k if which == "k" else v)
+        return tuple(outs)
+
+
+def load_weights(model: ChunkModel, ckpt, dtype=torch.float32) -> ChunkModel:
+    """Copy this chunk's tensors out of a Checkpoint (the LM head is the tied embedding)."""
+    state = model.state_dict()
+    for name, value in state.items():
+        if name in model.chunk.states:
+            continue  # caches start empty
+        src = "embed_tokens.weight" if name == "lm_head.weight" else name
+        state[name] = torch.from_numpy(ckpt[src].reshape(value.shape))
+    model.load_state_dict(state)
+    return model.to(dtype).eval()
+
+
+def build_chunks(plan: ChunkPlan, ckpt, dtype=torch.float32) -> list[ChunkModel]:
+    with torch.no_grad():
+        return [load_weights(ChunkModel(plan, c), ckpt, dtype) for c in plan.chunks]
+
+
+class TorchChunk:
+    """The engine's backend protocol over a ChunkModel: numpy in, numpy out, state in buffers."""
+
+    def __init__(self, model: ChunkModel):
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+
+    def reset_state(self) -> None:
+        self.model.reset_state()
+
+    def predict(self, function: str, inputs: dict) -> dict:
+        if function not in self.model.chunk.functions:
+            raise KeyError(f"{self.model.chunk.name} has no function {function!r}")
+        args = []
+        for name in self.model.input_names:
+            a = torch.from_numpy(np.ascontiguousarray(inputs[name]))
+            args.append(a.to(torch.int32) if name in ("current_pos", "ring_pos") else a.to(self.dtype))
+        with torch.no_grad():
+            outs = self.model(*args)
+        return {n: o.float().numpy() for n, o in zip(self.model.output_names, outs)}

@@ -1,0 +1,152 @@
+"""Random tiny Gemma 4 checkpoints, built and saved by transformers itself.
+
+They exist so every test can compare against transformers' forward pass. The weights are chosen
+so that a wrong formula cannot hide: norm weights far from 1, layer scalars far from 1, and a
+residual stream large enough that a naive fp16 RMSNorm would overflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .tokenizer_files import write_tokenizer_files
+
+S, F = "sliding_attention", "full_attention"
+
+PRESETS = {
+    # E2B's structure scaled down: 4:1 sliding/full, one KV head, sliding 32 vs full 64 head dims
+    # with proportional 1/4 RoPE, KV sharing with a producer of each type, double-wide MLP in the
+    # shared layers, PLE, softcap 30, and a window of 16 so tests cross the ring many times.
+    "e2b-mini": dict(
+        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=16, intermediate_size=128,
+        num_hidden_layers=15, num_attention_heads=4, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+        num_kv_shared_layers=5, use_double_wide_mlp=True, sliding_window=16, layer_types=[S, S, S, S, F] * 3,
+    ),
+    # A different shape of the family: 5:1 pattern, grouped-query attention (2 KV heads), K=V full
+    # layers with their own KV head count, a chunk_1 with no full layer, window 8.
+    "gqa-mini": dict(
+        vocab_size=512, hidden_size=48, hidden_size_per_layer_input=8, intermediate_size=96,
+        num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_kv_shared_layers=4, use_double_wide_mlp=False, sliding_window=8, layer_types=[S, S, S, S, S, F] * 2,
+        attention_k_eq_v=True, num_global_key_value_heads=1,
+    ),
+}
+
+
+def text_config(preset: str) -> dict:
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    cfg = dict(model_type="gemma4_text", final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+               pad_token_id=0, bos_token_id=2, eos_token_id=1, max_position_embeddings=4096)
+    cfg.update(PRESETS[preset])
+    cfg["vocab_size_per_layer_input"] = cfg["vocab_size"]
+    return cfg
+
+
+def _randomize(model, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    uniform = lambda shape, lo, hi: torch.rand(shape, generator=g) * (hi - lo) + lo
+    lm = model.model.language_model
+    for name, p in lm.named_parameters():
+        shape = p.shape
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            # Attention scale is 1.0, so these set the softmax temperature: keep it smooth enough
+            # that fp16 rounding does not flip which key wins.
+            value = uniform(shape, 0.25, 0.75)
+        elif name.endswith("norm.weight"):
+            value = uniform(shape, 0.5, 2.0)
+            if name.endswith("post_feedforward_layernorm.weight"):
+                # Two "massive activation" channels, as trained LLMs grow: the residual stream
+                # reaches ~200, so sum(x^2) overflows fp16 unless RMSNorm is written for it.
+                value[:2] *= 20.0
+        elif name == "embed_tokens.weight":
+            value = torch.randn(shape, generator=g) * 2.0
+        elif name == "embed_tokens_per_layer.weight":
+            value = torch.randn(shape, generator=g)
+        else:  # projections: unit-scale outputs
+            value = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        p.data.copy_(value)
+    for layer in lm.layers:
+        layer.layer_scalar.copy_(uniform(1, 0.4, 1.6))
+
+
+def build_model(preset: str, seed: int = 0):
+    """A Gemma4ForConditionalGeneration with random weights and tiny vision/audio towers."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=8, position_embedding_size=64, patch_size=4)
+    audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=16, conv_kernel_size=3)
+    config = Gemma4Config(text_config=text_config(preset), vision_config=vision, audio_config=audio,
+                          eos_token_id=[1, 106], tie_word_embeddings=True)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        _randomize(model, seed)
+    return model
+
+
+def _write_shards(state: dict, out: Path, shards: int) -> None:
+    from safetensors.torch import save_file
+
+    names = sorted(state)
+    if shards <= 1:
+        save_file({n: state[n].contiguous() for n in names}, out / "model.safetensors", metadata={"format": "pt"})
+        return
+    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    per, groups, size = total / shards, [[] for _ in range(shards)], 0
+    for n in names:  # contiguous runs of names, cut at equal byte counts
+        idx = min(int(size // per), shards - 1)
+        groups[idx].append(n)
+        size += state[n].numel() * state[n].element_size()
+    groups = [g for g in groups if g]
+    weight_map = {}
+    for k, group in enumerate(groups, 1):
+        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: state[n].contiguous() for n in group}, out / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_tiny(out: str | os.PathLike, preset: str = "e2b-mini", seed: int = 0, dtype: str = "fp32",
+               shards: int = 1, force: bool = False) -> Path:
+    """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path."""
+    import torch
+
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"--dtype {dtype!r}: choose fp32 or bf16")
+    if shards < 1:
+        raise ValueError(f"--shards {shards}: must be >= 1")
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: already exists (use --force to replace it)")
+    model = build_model(preset, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        state = {k: v.detach().to(torch_dtype) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        _write_shards(state, tmp, shards)
+        model.config.dtype = "bfloat16" if dtype == "bf16" else "float32"
+        model.config.save_pretrained(tmp)
+        gen = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+               "do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        write_tokenizer_files(tmp, text_config(preset)["vocab_size"])
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,145 @@
+"""Proof against the oracle: our chunks' logits vs transformers' forward pass, at every position.
+
+transformers is imported here (and in `tiny`) only: it is the reference, never a runtime dependency.
+The embedding tables reach our chunks through the int8 sidecar path, so the oracle is fed the same
+dequantised tables (its LM head keeps the original, tied weights, as our chunk_3 does). How far the
+int8 tables alone move the logits is reported beside it as `int8_tables_vs_original`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .engine import Engine, HostTables
+from .host import dequantize_rows, quantize_rows, rope_tables
+from .spec import ChunkPlan, ModelSpec
+
+FP32_MIN_TOP1, FP32_MIN_COSINE = 1.0, 0.9999
+# fp16 runs (graph or bundle): the chunks compute in fp16 and transformers in fp32; measured on the
+# tiny presets (see README) and bounded with margin.
+FP16_MIN_TOP1, FP16_MIN_COSINE = 0.97, 0.999
+
+
+def compare(ours: np.ndarray, ref: np.ndarray) -> dict:
+    """Per-position agreement of two [N, V] logit arrays."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    cos = (ours * ref).sum(-1) / (np.linalg.norm(ours, axis=-1) * np.linalg.norm(ref, axis=-1) + 1e-30)
+    return {
+        "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+        "min_cosine": float(cos.min()),
+        "mean_cosine": float(cos.mean()),
+        "max_abs_logit_diff": float(np.abs(ours - ref).max()),
+    }
+
+
+def int8_tables(ckpt: Checkpoint) -> dict:
+    q, s = quantize_rows(ckpt["embed_tokens.weight"])
+    pq, ps = quantize_rows(ckpt["embed_tokens_per_layer.weight"])
+    return {"embed_q": q, "embed_scales": s, "ple_q": pq, "ple_scales": ps}
+
+
+def host_from_checkpoint(ckpt: Checkpoint, rows: int) -> HostTables:
+    spec = ckpt.spec
+    return HostTables(**int8_tables(ckpt), embed_scale=spec.embed_scale,
+                      per_layer_embed_scale=spec.per_layer_embed_scale, rope=rope_tables(spec, rows))
+
+
+def oracle_model(ckpt: Checkpoint, tables: dict | None = None):
+    """transformers' Gemma4ForCausalLM in fp32 with the checkpoint's text weights.
+
+    With `tables`, the two embedding tables are replaced by their int8 round trip and the LM head is
+    untied so it keeps the original weights, exactly what the bundle computes."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    src = ckpt.spec.source
+    text = dict(src.get("text_config", src))
+    text.pop("model_type", None)
+    config = Gemma4TextConfig(**{k: v for k, v in text.items() if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")})
+    config._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(config)
+    state = {}
+    for name in model.state_dict():
+        if name == "lm_head.weight" or not name.startswith("model."):
+            continue
+        rel = name[len("model."):]
+        if rel in ckpt:
+            state[name] = torch.from_numpy(np.array(ckpt[rel]))
+    head = state["model.embed_tokens.weight"].clone()
+    if tables is not None:
+        state["model.embed_tokens.weight"] = torch.from_numpy(dequantize_rows(tables["embed_q"], tables["embed_scales"], 1.0))
+        state["model.embed_tokens_per_layer.weight"] = torch.from_numpy(
+            dequantize_rows(tables["ple_q"], tables["ple_scales"], 1.0))
+    missing = set(model.model.state_dict()) - {k[len("model."):] for k in state}
+    # What the checkpoint does not hold must be a non-persistent buffer transformers computes itself.
+    assert all("inv_freq" in k or k.endswith("embed_scale") for k in missing), sorted(missing)
+    model.load_state_dict(state, strict=False)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head)
+    return model.float().eval()
+
+
+def oracle_logits(model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(np.asarray(ids, np.int64))[None], use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def random_ids(spec: ModelSpec, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # Skip the control ids so the sequence looks like text to the model's embedding table.
+    return rng.integers(low=min(107, spec.vocab_size - 1), high=spec.vocab_size, size=n)
+
+
+def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Prompt through the prefill path (logits at every prompt row), then teacher-forced decoding."""
+    engine.reset()
+    logits = engine.feed(ids[:prompt_len], logits="all")
+    for t in ids[prompt_len:]:
+        logits += engine.feed([t], logits="last")
+    return np.stack(logits)
+
+
+def context_for(spec: ModelSpec, tokens: int) -> int:
+    return max(32 * math.ceil(tokens / 32), 32 * math.ceil(spec.sliding_window / 32))
+
+
+def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, prompt_len: int | None = None,
+                 context: int | None = None, prefill_batch: int = 8) -> dict:
+    import torch
+
+    from .graph import TorchChunk, build_chunks
+
+    if precision not in ("fp32", "fp16"):
+        raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
+    ckpt = Checkpoint(src)
+    ckpt.validate()
+    spec = ckpt.spec
+    plan = ChunkPlan.build(spec, context or context_for(spec, tokens), prefill_batch)
+    if tokens < 2 or tokens > plan.context:
+        raise ValueError(f"--tokens {tokens}: must be in [2, context={plan.context}]")
+    prompt_len = prompt_len if prompt_len is not None else max(1, tokens // 4)
+    ids = random_ids(spec, tokens, seed)
+    host = host_from_checkpoint(ckpt, plan.context)
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    engine = Engine([TorchChunk(m) for m in build_chunks(plan, ckpt, dtype)], host,
+                    context=plan.context, window=plan.window, prefill_batch=prefill_batch)
+    ours = run_engine(engine, ids, prompt_len)
+    tables = {k: getattr(host, k) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
+    ref = oracle_logits(oracle_model(ckpt, tables), ids)
+    orig = oracle_logits(oracle_model(ckpt), ids)
+    report = {"mode": "graph", "precision": precision, "positions": tokens, "prompt_tokens": prompt_len,
+              "context": plan.context, "window": plan.window, "seed": seed, **compare(ours, ref)}
+    report["int8_tables_vs_original"] = compare(ref, orig)
+    report["passed"] = passed(report)
+    return report
+
+
+def passed(report: dict) -> bool:
+    top1, cos = (FP32_MIN_TOP1, FP32_MIN_COSINE) if report["precision"] == "fp32" else (FP16_MIN_TOP1, FP16_MIN_COSINE)
+    return report["top1_agreement"] >= top1 and report["min_cosine"] >= cos
