@@ -27,19 +27,39 @@ class CheckpointError(ValueError):
 
 def _read_header(path: Path) -> dict:
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise CheckpointError(f"{path}: truncated safetensors file")
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", raw)
             if n > 100_000_000:
                 raise CheckpointError(f"{path}: implausible safetensors header size {n}")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header alone needs {8 + n})")
             header = json.loads(f.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    data_end = 0
     for name, entry in header.items():
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            ok = isinstance(entry["dtype"], str) and all(int(d) >= 0 for d in entry["shape"]) and 0 <= begin <= end
+        except (TypeError, ValueError, KeyError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path}: malformed safetensors header entry for tensor {name!r}")
         entry["offset"] = 8 + n
+        data_end = max(data_end, end)
+    # Checked against the header only (a stat, no data read), so a cut-off download is reported
+    # up front, as safetensors itself does, instead of at the first tensor that happens to be missing.
+    if 8 + n + data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size} bytes, its header describes {8 + n + data_end})"
+        )
     return header
 
 
@@ -55,10 +75,12 @@ class Checkpoint:
             raise CheckpointError(f"{src}: not a checkpoint directory")
         self.spec = spec or ModelSpec.from_pretrained(self.root)
         index = self.root / "model.safetensors.index.json"
+        self.weight_map: dict | None = None
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 files = sorted(set(weight_map.values()))
+                self.weight_map = dict(weight_map)
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index}: broken shard index ({type(e).__name__}: {e})") from None
             for f in files:
@@ -72,6 +94,9 @@ class Checkpoint:
         for f in files:
             path = self.root / f
             for name, entry in _read_header(path).items():
+                if name in self.entries:
+                    # Last-one-wins would silently pick between two different tensors.
+                    raise CheckpointError(f"{self.root}: tensor {name} is in both {self.entries[name][0].name} and {f}")
                 self.entries[name] = (path, entry)
         self.prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in self.entries), None)
         if self.prefix is None:
@@ -113,11 +138,20 @@ class Checkpoint:
             out[p + "per_layer_projection.weight"] = (H, P)
         return out
 
+    def _missing(self, full: str) -> CheckpointError:
+        where = ""
+        if self.weight_map is not None:
+            shard = self.weight_map.get(full)
+            where = (f" (model.safetensors.index.json puts it in {shard}, which does not hold it)" if shard
+                     else " (no shard of model.safetensors.index.json holds it)")
+        return CheckpointError(f"{self.root}: missing tensor {full}{where}")
+
     def validate(self) -> None:
+        """Names, shapes, dtypes and byte extents of every text tensor; reads headers only."""
         for name, shape in self.expected().items():
             full = self.prefix + name
             if full not in self.entries:
-                raise CheckpointError(f"{self.root}: missing tensor {full}")
+                raise self._missing(full)
             path, entry = self.entries[full]
             if tuple(entry["shape"]) != shape:
                 raise CheckpointError(
@@ -125,6 +159,9 @@ class Checkpoint:
                 )
             if entry["dtype"] not in _DTYPES:
                 raise CheckpointError(f"{path.name}: tensor {full} has unsupported dtype {entry['dtype']}")
+            begin, end = entry["data_offsets"]
+            if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[entry["dtype"]]).itemsize:
+                raise CheckpointError(f"{path.name}: tensor {full} has data_offsets inconsistent with its shape and dtype")
 
     def dtype_of(self, name: str) -> str:
         return self.entries[self.prefix + name][1]["dtype"]
@@ -136,8 +173,10 @@ class Checkpoint:
         """A read-only view into the mapped shard (bf16 as uint16 bits)."""
         full = self.prefix + name
         if full not in self.entries:
-            raise CheckpointError(f"{self.root}: missing tensor {full}")
+            raise self._missing(full)
         path, entry = self.entries[full]
+        if entry["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {full} has unsupported dtype {entry['dtype']}")
         if path not in self._maps:
             with open(path, "rb") as f:
                 self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
