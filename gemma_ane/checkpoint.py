@@ -188,7 +188,11 @@ class Checkpoint:
         return np.frombuffer(self._maps[path], dtype=dtype, count=count, offset=entry["offset"] + begin).reshape(entry["shape"])
 
     def __getitem__(self, name: str) -> np.ndarray:
-        arr = self.raw(name)
+        return self.rows(name)
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor as float32; only those bytes of the shard are touched."""
+        arr = self.raw(name)[start:stop]
         if self.dtype_of(name) == "BF16":
             # bf16 is the top half of a float32: widen by shifting the bits into place.
             return (arr.astype(np.uint32) << 16).view(np.float32)

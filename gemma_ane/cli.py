@@ -51,9 +51,16 @@ def cmd_verify(a):
     return 0 if report["passed"] else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; we keep errors to one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("plan", help="show how the model splits into Core ML chunks")
     s.add_argument("src", help="config.json or checkpoint directory")

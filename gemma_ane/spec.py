@@ -19,6 +19,13 @@ class ConfigError(ValueError):
     """A config (or an option) the converter cannot represent. The message names the field."""
 
 
+def _number(value, field: str, kind=float):
+    """value as int/float, or a ConfigError naming the field (JSON can hold anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise ConfigError(f"{field}={value!r}: expected {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
 @dataclass(frozen=True)
 class Rope:
     theta: float
@@ -169,7 +176,7 @@ class ModelSpec:
             layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
         if not isinstance(layer_types, list) or len(layer_types) != n_layers:
             raise ConfigError(f"layer_types: expected a list of {n_layers} entries")
-        bad = sorted({t for t in layer_types if t not in (SLIDING, FULL)}, key=str)
+        bad = [t for t in layer_types if t not in (SLIDING, FULL)]
         if bad:
             raise ConfigError(f"layer_types: unsupported attention type {bad[0]!r}")
         layer_types = list(layer_types)
@@ -192,9 +199,9 @@ class ModelSpec:
                     raise ConfigError(f"per_layer_config[{key!r}]: invalid layer index or entry")
                 for name, value in overrides.items():
                     if name == "head_dim":
-                        head_dims[idx] = int(value)
+                        head_dims[idx] = _number(value, f"per_layer_config[{key!r}].head_dim", int)
                     elif name == "num_key_value_heads":
-                        kv_heads[idx] = int(value)
+                        kv_heads[idx] = _number(value, f"per_layer_config[{key!r}].num_key_value_heads", int)
                     else:
                         raise ConfigError(f"per_layer_config[{key!r}].{name}: per-layer override not supported")
         else:
@@ -204,8 +211,10 @@ class ModelSpec:
                 if t == FULL:
                     head_dims[i] = gdim
                     if k_eq_v_cfg and g_kv is not None:
-                        kv_heads[i] = int(g_kv)
+                        kv_heads[i] = _number(g_kv, "num_global_key_value_heads", int)
         for i in range(n_layers):
+            if head_dims[i] <= 0 or kv_heads[i] <= 0:
+                raise ConfigError(f"layer {i}: head_dim and num_key_value_heads must be > 0")
             if n_heads % kv_heads[i]:
                 raise ConfigError(f"layer {i}: num_attention_heads={n_heads} is not a multiple of its {kv_heads[i]} KV heads")
             if head_dims[i] % 2:
@@ -254,15 +263,18 @@ class ModelSpec:
                 if p.get("partial_rotary_factor", 1.0) != 1.0:
                     raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor: only 'proportional' RoPE may be partial")
             elif rtype == "proportional":
-                prf = float(p.get("partial_rotary_factor", 1.0))
+                prf = _number(p.get("partial_rotary_factor", 1.0), f"rope_parameters.{t}.partial_rotary_factor")
                 if not 0.0 <= prf <= 1.0:
                     raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor={prf}: must lie in [0, 1]")
                 pairs = int(prf * d // 2)
             else:
                 raise ConfigError(f"rope_parameters.{t}.rope_type={rtype!r}: only 'default' and 'proportional' are supported")
-            if float(p.get("factor", 1.0)) != 1.0:
+            if _number(p.get("factor", 1.0), f"rope_parameters.{t}.factor") != 1.0:
                 raise ConfigError(f"rope_parameters.{t}.factor: RoPE scaling is not supported")
-            rope[t] = Rope(theta=float(p["rope_theta"]), rotated_pairs=pairs, dim=d)
+            theta = _number(p["rope_theta"], f"rope_parameters.{t}.rope_theta")
+            if theta <= 0:
+                raise ConfigError(f"rope_parameters.{t}.rope_theta={theta}: must be > 0")
+            rope[t] = Rope(theta=theta, rotated_pairs=pairs, dim=d)
 
         per_layer_dim = get("hidden_size_per_layer_input", int, 0)
         if per_layer_dim <= 0:
@@ -275,7 +287,9 @@ class ModelSpec:
             raise ConfigError("tie_word_embeddings=false: the bundle's head is tied to the embedding table")
 
         eos = text.get("eos_token_id", config.get("eos_token_id", 1))
-        eos = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        eos = tuple(_number(e, "eos_token_id", int) for e in (eos if isinstance(eos, list) else [eos]))
+        if not eos:
+            raise ConfigError("eos_token_id: empty")
         softcap = text.get("final_logit_softcapping")
         window = get("sliding_window", int, 512)
         if window <= 0:
@@ -296,7 +310,7 @@ class ModelSpec:
             sliding_window=window,
             rope=rope,
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-            final_logit_softcapping=None if softcap is None else float(softcap),
+            final_logit_softcapping=None if softcap is None else _number(softcap, "final_logit_softcapping"),
             hidden_activation=act,
             pad_token_id=get("pad_token_id", int, 0),
             bos_token_id=get("bos_token_id", int, 2),

@@ -76,6 +76,12 @@ def test_transformers_saved_config_is_read(tiny_e2b):
     ("num_kv_shared_layers", 35, "num_kv_shared_layers"),
     ("rope_parameters", {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type"),
     ("num_key_value_heads", 3, "not a multiple of its 3 KV heads"),
+    ("layer_types", [[1]] * 35, "layer_types: unsupported attention type"),
+    ("eos_token_id", [None], "eos_token_id=None"),
+    ("final_logit_softcapping", "x", "final_logit_softcapping='x'"),
+    ("per_layer_config", {"04": {"head_dim": None}}, "per_layer_config\\['04'\\].head_dim"),
+    ("rope_parameters", {"sliding_attention": {"rope_theta": None}, "full_attention": {"rope_theta": 1e6}}, "rope_theta=None"),
+    ("rope_parameters", {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "proportional", "partial_rotary_factor": "x", "rope_theta": 1e6}}, "partial_rotary_factor='x'"),
 ])
 def test_unsupported_configs_name_the_field(e2b_config, field, value, needle):
     cfg = copy.deepcopy(e2b_config)

@@ -1,0 +1,444 @@
+"""`gemma-ane convert`: a Hugging Face Gemma 4 checkpoint -> the stateful 3-chunk Core ML bundle.
+
+Per chunk and function: trace the chunk graph, convert it to an iOS18 ML Program (fp16, KV caches
+as states), replace every large linear weight by our k-means LUT (`palettize.py`), then merge the
+functions into one multifunction package whose weights and states are shared. The host-side
+tables go into raw sidecars (SPEC §2). Everything is built in a temporary sibling directory and
+renamed into place at the end, so a failed run leaves no OUT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .host import quantize_rows, rope_tables
+from .spec import ChunkPlan, ConfigError, ModelSpec
+
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "special_tokens_map.json", "tokenizer.model")
+ROW_BLOCK = 8192  # rows of an embedding table quantised at a time: bounded memory at any vocab
+
+
+class ConvertError(ValueError):
+    """A conversion that cannot proceed; the message names the option, file or value."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    context: int = 2048
+    bits: int = 4
+    group_size: int = 32
+    prefill_batch: int = 8
+    split: tuple[int, int] | None = None
+    compile: bool | None = None  # None: compile on macOS, keep .mlpackage elsewhere
+    force: bool = False
+
+    def check(self) -> None:
+        if self.bits not in (4, 6, 8, 16):
+            raise ConvertError(f"--bits {self.bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.group_size < 1:
+            raise ConvertError(f"--group-size {self.group_size}: must be >= 1")
+        if self.compile and platform.system() != "Darwin":
+            raise ConvertError("--compile: compiling to .mlmodelc needs macOS (coremlcompiler); use --no-compile here")
+
+
+# -- coremltools glue ---------------------------------------------------------------------------
+
+def _register_int_fix() -> None:
+    """coremltools 9.0 translates `aten::Int` of a folded (1,)-shaped constant with `int(array)`,
+    which numpy 2 refuses. The tracer emits one wherever a slice end is `pos + T`; this override
+    (the documented `register_torch_op(override=True)` hook) squeezes such constants first."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
+
+    @register_torch_op(torch_alias=["int"], override=True)
+    def _int(context, node):
+        x = _get_inputs(context, node, expected=1)[0]
+        if x.can_be_folded_to_const():
+            res = mb.const(val=np.int32(np.asarray(x.val).reshape(())), name=node.name)
+        else:
+            if len(x.shape) > 0:
+                x = mb.squeeze(x=x, name=node.name + "_item")
+            res = mb.cast(x=x, dtype="int32", name=node.name)
+        context.add(res, node.name)
+
+
+def _palettize_pass(nbits: int, group_size: int, cache: dict):
+    """A MIL graph pass replacing each linear weight (fp16 const, rows divisible by the group) by
+    `constexpr_lut_to_dense`. `cache` maps weight bytes to their LUT, so the functions of a chunk
+    get bit-identical LUTs (and the merge can share them) without running k-means twice."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+
+    from .palettize import kmeans_lut
+
+    index_dtype = types.nptype_from_builtin(types.string_to_builtin(f"uint{nbits}"))
+
+    class PalettizeLinearWeights(AbstractGraphPass):
+        def apply(self, prog):
+            for fn in prog.functions.values():
+                with fn:
+                    for op in list(fn.operations):
+                        self._maybe_palettize(op)
+
+        def _maybe_palettize(self, op):
+            if op.op_type != "const":
+                return
+            var = op.outputs[0]
+            val = var.val
+            if not isinstance(val, np.ndarray) or val.ndim != 2 or val.size < 2048 or val.shape[0] % group_size:
+                return
+            if not var.child_ops or any(c.op_type != "linear" or c.weight is not var for c in var.child_ops):
+                return
+            key = hashlib.sha1(np.ascontiguousarray(val, np.float16).tobytes()).hexdigest()
+            if key not in cache:
+                cache[key] = kmeans_lut(val, nbits, group_size)
+            lut, indices = cache[key]
+            new = mb.constexpr_lut_to_dense(indices=indices.astype(index_dtype), lut=lut, before_op=op,
+                                            name=op.name + "_palettized")
+            op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=var, new_var=new)
+            op.enclosing_block.remove_ops([op])
+
+    return PalettizeLinearWeights()
+
+
+def _tensor_types(io: dict):
+    import coremltools as ct
+
+    return [ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else np.float16)
+            for n, t in io.items()]
+
+
+def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer):
+    """Trace one function of one chunk and return it as a saved-ready MLModel."""
+    import coremltools as ct
+    import torch
+
+    io = chunk.functions[function]
+    examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else torch.float32)
+                     for t in io["inputs"].values())
+    with timer("trace"), torch.no_grad():
+        traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
+    states = [ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
+              for n, t in chunk.states.items()]
+    with timer("convert"):
+        prog = ct.convert(
+            traced, inputs=_tensor_types(io["inputs"]),
+            outputs=[ct.TensorType(name=n, dtype=np.float16) for n in io["outputs"]],
+            states=states or None, minimum_deployment_target=ct.target.iOS18,
+            compute_precision=ct.precision.FLOAT16, convert_to="milinternal",
+        )
+    del traced
+    if options.bits != 16:
+        with timer("palettize"):
+            _palettize_pass(options.bits, options.group_size, lut_cache)(prog)
+    with timer("convert"):
+        # The program already went through the default pipeline; running it again could fold
+        # our constexpr ops back into dense weights.
+        return ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                          pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
+
+
+def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -> None:
+    """One multifunction package; save_multifunction deduplicates identical consts, so weights
+    and LUTs are stored once and the states are shared by every function."""
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    desc = MultiFunctionDescriptor()
+    for name, path in paths.items():
+        desc.add_function(str(path), src_function_name="main", target_function_name=name)
+    desc.default_function_name = default
+    save_multifunction(desc, str(out))
+
+
+# -- sidecars -----------------------------------------------------------------------------------
+
+def _write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path) -> None:
+    """Stream a [V, N] table into int8 rows + fp16 scales (SPEC §2), ROW_BLOCK rows at a time."""
+    rows = ckpt.entries[ckpt.prefix + name][1]["shape"][0]
+    with open(q_path, "wb") as fq, open(scale_path, "wb") as fs:
+        for start in range(0, rows, ROW_BLOCK):
+            q, scale = quantize_rows(ckpt.rows(name, start, min(rows, start + ROW_BLOCK)))
+            fq.write(q.tobytes())
+            fs.write(scale.astype("<f2").tobytes())
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, np.ascontiguousarray(array), version=(1, 0), allow_pickle=False)
+
+
+def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name: str) -> dict:
+    return {
+        "model_name": name,
+        "architecture": "gemma4",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.kv_heads[0],
+        "head_dim": spec.head_dim_of("sliding_attention") if "sliding_attention" in spec.layer_types else spec.head_dims[0],
+        "global_head_dim": spec.head_dim_of("full_attention"),
+        "vocab_size": spec.vocab_size,
+        "context_length": plan.context,
+        "sliding_window": plan.window,
+        "per_layer_dim": spec.per_layer_dim,
+        "num_kv_shared_layers": spec.num_kv_shared_layers,
+        "layer_types": list(spec.layer_types),
+        "embed_scale": spec.embed_scale,
+        "per_layer_embed_scale": spec.per_layer_embed_scale,
+        "per_layer_model_projection_scale": spec.hidden_size**-0.5,
+        "per_layer_input_scale": 2**-0.5,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "bos_token_id": spec.bos_token_id,
+        "eos_token_id": spec.eos_token_ids[0],
+        "final_logit_softcapping": spec.final_logit_softcapping,
+        "quantization": "none" if options.bits == 16 else f"int{options.bits}",
+        "compute_units": "CPU_AND_NE",
+        "prefill_batch": plan.prefill_batch,
+        "split": list(plan.split),
+        "head": "logits",
+    }
+
+
+def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str) -> None:
+    spec = ckpt.spec
+    _write_rows_int8(ckpt, "embed_tokens.weight", out / "embed_tokens_q8.bin", out / "embed_tokens_scales.bin")
+    _write_rows_int8(ckpt, "embed_tokens_per_layer.weight", out / "embed_tokens_per_layer_q8.bin",
+                     out / "embed_tokens_per_layer_scales.bin")
+    (out / "per_layer_projection.bin").write_bytes(
+        ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
+    (out / "per_layer_norm_weight.bin").write_bytes(ckpt["per_layer_projection_norm.weight"].astype("<f2").tobytes())
+    rows = max(plan.context, 4096)
+    tables = rope_tables(spec, rows)
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    for layer_type, (cos, sin) in tables.items():
+        _save_npy(out / f"cos_{names[layer_type]}.npy", cos.astype(np.float16))
+        _save_npy(out / f"sin_{names[layer_type]}.npy", sin.astype(np.float16))
+    (out / "model_config.json").write_text(json.dumps(model_config(spec, plan, options, name), indent=2) + "\n")
+    hf = out / "hf_model"
+    hf.mkdir()
+    for f in HF_FILES:
+        if (ckpt.root / f).is_file():
+            shutil.copyfile(ckpt.root / f, hf / f)
+
+
+# -- manifest and model card ---------------------------------------------------------------------
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bundle_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("manifest.json",))
+
+
+def write_manifest(out: Path, src: Path, options: ConvertOptions, plan: ChunkPlan) -> dict:
+    import coremltools as ct
+    import torch
+
+    config_bytes = (src / "config.json").read_bytes()
+    manifest = {
+        "format": "gemma-ane-bundle",
+        "format_version": 1,
+        "converter": {"gemma_ane": __version__, "coremltools": ct.__version__, "torch": torch.__version__},
+        "source": {"path": str(src), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
+        "options": {**asdict(options), "split": list(plan.split)},
+        "plan": plan.to_json(),
+        "files": {str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                  for p in bundle_files(out)},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, sizes: dict) -> str:
+    quant = "fp16 weights (no palettization)" if options.bits == 16 else (
+        f"{options.bits}-bit k-means LUT palettization, one LUT per {options.group_size} output channels")
+    chunks = "\n".join(
+        f"| `{c.name}` | {c.layers[0]}-{c.layers[-1]} | {', '.join(c.functions)} | {sizes.get(c.name, 0) / 1e6:.1f} MB |"
+        for c in plan.chunks)
+    return f"""---
+license: gemma
+base_model: {name}
+library_name: coreml
+pipeline_tag: text-generation
+tags:
+- coreml
+- apple-neural-engine
+- gemma4
+- stateful
+---
+
+# {name} for the Apple Neural Engine (gemma-ane)
+
+Converted from `{src.name}` by gemma-ane {__version__}: the stateful 3-chunk Core ML layout, with
+KV caches as Core ML states and chunk_3 returning full logits (sample with any temperature, top-k,
+top-p or seed).
+
+- weights: {quant}; token and per-layer embeddings as int8 sidecars
+- context {plan.context}, sliding window {plan.window}, prefill batch {plan.prefill_batch}
+- iOS 18 / macOS 15 ML Programs, fp16 compute
+
+| chunk | layers | functions | size |
+|---|---|---|---|
+{chunks}
+
+## Run it
+
+```bash
+pip install gemma-ane
+gemma-ane check .            # sizes and sha256 of every file against manifest.json
+gemma-ane generate . -p "Why is the sky blue?"
+```
+
+`manifest.json` lists every file with its size and sha256, the converter versions and the options
+used.
+"""
+
+
+# -- the whole conversion -----------------------------------------------------------------------
+
+class StageTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def resolve_source(src: str) -> Path:
+    path = Path(src)
+    if path.exists():
+        return path
+    if src.count("/") == 1 and not src.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise ConvertError(f"{src}: not a local directory, and huggingface_hub is not installed to fetch it") from None
+        try:
+            return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+        except Exception as e:  # offline or unknown repo: one line, not a traceback
+            raise ConvertError(f"{src}: could not fetch from the Hugging Face Hub ({type(e).__name__}); "
+                               "pass a local checkpoint directory") from None
+    raise ConvertError(f"{src}: no such checkpoint directory")
+
+
+def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), progress: bool = True,
+            _fail_after: str | None = None) -> dict:
+    """Convert SRC into the bundle directory OUT; returns {stage: seconds}."""
+    import torch
+
+    from .graph import ChunkModel, load_weights
+
+    options.check()
+    timer = StageTimer()
+    out = Path(out)
+    if out.exists() and not options.force:
+        raise ConvertError(f"{out}: already exists (use --force to replace it)")
+    with timer("load"):
+        root = resolve_source(src)
+        ckpt = Checkpoint(root)
+        ckpt.validate()
+        try:
+            plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split)
+        except ConfigError as e:
+            raise ConvertError(str(e)) from None
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    except OSError as e:
+        raise ConvertError(f"{out}: cannot write the bundle here ({e.strerror or e})") from None
+    from tqdm import tqdm
+
+    compile_ = options.compile if options.compile is not None else platform.system() == "Darwin"
+    if not compile_ and options.compile is None:
+        print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
+    try:
+        _register_int_fix()
+        work = tmp / ".work"
+        work.mkdir()
+        steps = sum(len(c.functions) for c in plan.chunks)
+        bar = tqdm(total=steps, desc="convert", unit="fn", disable=not progress)
+        sizes = {}
+        for chunk in plan.chunks:
+            with timer("load"), torch.no_grad():
+                model = load_weights(ChunkModel(plan, chunk), ckpt, torch.float32)
+            lut_cache, paths = {}, {}
+            for function in chunk.functions:
+                bar.set_postfix_str(f"{chunk.name}.{function}")
+                mlmodel = convert_function(model, chunk, function, options, lut_cache, timer)
+                paths[function] = work / f"{chunk.name}.{function}.mlpackage"
+                with timer("convert"):
+                    mlmodel.save(str(paths[function]))
+                del mlmodel
+                bar.update(1)
+                if _fail_after == f"{chunk.name}.{function}":
+                    raise RuntimeError(f"injected failure after {chunk.name}.{function}")
+            del model, lut_cache
+            with timer("merge"):
+                package = tmp / f"{chunk.name}.mlpackage"
+                merge_functions(paths, package)
+                for p in paths.values():
+                    shutil.rmtree(p)
+            if compile_:
+                with timer("compile"):
+                    compile_package(package, tmp / f"{chunk.name}.mlmodelc")
+                    shutil.rmtree(package)
+            sizes[chunk.name] = _tree_size(tmp / (f"{chunk.name}.mlmodelc" if compile_ else f"{chunk.name}.mlpackage"))
+        bar.close()
+        shutil.rmtree(work)
+        name = (ckpt.spec.source.get("_name_or_path") or root.name)
+        with timer("sidecars"):
+            write_sidecars(ckpt, plan, options, tmp, name)
+            (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
+            write_manifest(tmp, root, options, plan)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+    return timer.seconds
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def compile_package(package: Path, dest: Path) -> None:
+    """macOS only: .mlpackage -> .mlmodelc with coremltools' documented compile_model, then check
+    that the compiled program is the text MIL Core ML expects."""
+    from coremltools.models.utils import compile_model
+
+    compiled = Path(compile_model(str(package), str(dest)))
+    mil = compiled / "model.mil"
+    if not mil.is_file() or b"\x00" in mil.read_bytes()[:4096]:
+        raise ConvertError(f"{compiled}: compiled model.mil is missing or not text")
