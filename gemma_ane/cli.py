@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 
+from .bundle import BundleError
 from .checkpoint import CheckpointError
+from .mil import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
 
@@ -58,6 +60,40 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def cmd_convert(a):
+    from .convert import ConvertOptions, convert
+
+    opts = ConvertOptions(context=a.context, bits=a.bits, group_size=a.group_size, prefill_batch=a.prefill_batch,
+                          split=parse_split(a.split), compile=a.compile, force=a.force)
+    seconds = convert(a.src, a.out, opts, progress=not a.quiet)
+    total = sum(seconds.values())
+    print("  ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + f"  total {total:.1f}s")
+    print(f"wrote {a.out}")
+
+
+def cmd_inspect(a):
+    from .bundle import inspect_bundle
+
+    report = inspect_bundle(a.bundle, sha256=not a.no_sha)
+    if a.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report["manifest"]["verified"] else 1
+    for c in report["chunks"]:
+        layers = f"layers {c['layers'][0]}-{c['layers'][-1]}, " if "layers" in c else ""
+        print(f"{c['name']} ({c['path']}): {layers}{c['size_bytes'] / 1e6:.2f} MB on disk")
+        for name, t in c["states"].items():
+            print(f"  state  {name:<24} {str(t['shape']):<22} {t['dtype']}")
+        for fname, f in c["functions"].items():
+            print(f"  {fname}: T={f['tokens_per_call']}, weights {f['weight_bytes'] / 1e6:.2f} MB, "
+                  f"{f['macs_per_token'] / 1e6:.2f} M MACs/token")
+            for kind in ("inputs", "outputs"):
+                for name, t in f[kind].items():
+                    print(f"    {kind[:-1]:<6} {name:<24} {str(t['shape']):<22} {t['dtype']}")
+    m = report["manifest"]
+    print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
+    return 0 if m["verified"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -79,6 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.set_defaults(fn=cmd_tiny)
 
+    s = sub.add_parser("convert", help="convert a checkpoint into the Core ML bundle")
+    s.add_argument("src", help="Hugging Face checkpoint directory (or Hub id, when online)")
+    s.add_argument("out", help="bundle directory to create")
+    s.add_argument("--context", type=int, default=2048)
+    s.add_argument("--bits", type=int, default=4, help="4, 6, 8, or 16 for no palettization")
+    s.add_argument("--group-size", type=int, default=32)
+    s.add_argument("--prefill-batch", type=int, default=8)
+    s.add_argument("--split")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile to .mlmodelc (default: on macOS only)")
+    s.add_argument("--force", action="store_true", help="replace an existing OUT")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")
+    s.add_argument("bundle")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--no-sha", action="store_true", help="check manifest sizes only, not sha256")
+    s.set_defaults(fn=cmd_inspect)
+
     s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
     s.add_argument("src", help="Hugging Face checkpoint directory")
     s.add_argument("--tokens", type=int, default=64)
@@ -91,16 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# modules behind an extra, and the extra that brings them
+_OPTIONAL = {"torch": "convert", "safetensors": "convert", "transformers": "dev", "starlette": "serve",
+             "uvicorn": "serve", "sklearn": "dev"}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args) or 0
-    except (ConfigError, CheckpointError, FileExistsError, ValueError, OSError) as e:
+    except (ConfigError, CheckpointError, BundleError, PackageError, FileExistsError, ValueError, OSError) as e:
         print(f"gemma-ane {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:
-        print(f"gemma-ane {args.command}: error: {e.name or e} is not installed "
-              f"(pip install 'gemma-ane[convert,dev]')", file=sys.stderr)
+        if (e.name or "").split(".")[0] not in _OPTIONAL:
+            raise
+        print(f"gemma-ane {args.command}: error: {e.name} is not installed "
+              f"(pip install 'gemma-ane[{_OPTIONAL[e.name.split('.')[0]]}]')", file=sys.stderr)
         return 2
 
 

@@ -418,6 +418,7 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
             write_sidecars(ckpt, plan, options, tmp, name)
             (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
             write_manifest(tmp, root, options, plan)
+        tmp.chmod(0o755)  # mkdtemp made it private; a bundle is meant to be shared
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
