@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
+
+from .engine import Engine, HostTables
 from .mil import Package, PackageError, macs, read_json, weight_bytes
 
 
@@ -94,3 +97,87 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
     return {"bundle": str(root), "chunks": chunks,
             "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems}}
+
+
+# -- running a bundle with the MIL executor ------------------------------------------------------
+
+class MILChunk:
+    """The engine's backend protocol over one package: a MILModel per function, one shared state
+    (as Core ML lets `prefill_b8` and `infer` share a cache)."""
+
+    def __init__(self, path: Path, precision: str = "fp16"):
+        from .mil import MILModel
+
+        self.path = Path(path)
+        package = Package.open(path)
+        program = package.program()
+        weights: dict = {}
+        self.models = {f: MILModel(path, f, precision, _package=package, _program=program, _weights=weights)
+                       for f in package.function_names}
+        first = next(iter(self.models.values()))
+        self.state = first.make_state() if first.interface["states"] else None
+
+    @property
+    def functions(self) -> list[str]:
+        return list(self.models)
+
+    def reset_state(self) -> None:
+        if self.state is not None:
+            self.state.reset()
+
+    def predict(self, function: str, inputs: dict) -> dict:
+        model = self.models.get(function)
+        if model is None:
+            raise BundleError(f"{self.path}: no function {function!r} (has {', '.join(self.models)})")
+        feed = {n: np.asarray(inputs[n]).astype(t["dtype"], copy=False) for n, t in model.interface["inputs"].items()}
+        return model.predict(feed, state=self.state)
+
+
+def _memmap(path: Path, dtype, shape) -> np.ndarray:
+    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not path.is_file():
+        raise BundleError(f"{path}: missing")
+    if path.stat().st_size != expected:
+        raise BundleError(f"{path}: {path.stat().st_size} bytes, expected {expected} for {tuple(shape)} {np.dtype(dtype).name}")
+    return np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape))
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise BundleError(f"{path}: missing")
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise BundleError(f"{path}: not a valid .npy file ({e})") from None
+
+
+def load_host(root: Path, config: dict) -> HostTables:
+    """Memory-mapped int8 tables and scales (only the rows a token uses are ever read), RoPE rows."""
+    root = Path(root)
+    V, H = config["vocab_size"], config["hidden_size"]
+    PL = config["num_hidden_layers"] * config["per_layer_dim"]
+    rope = {}
+    for layer_type, short in (("sliding_attention", "sliding"), ("full_attention", "full")):
+        if (root / f"cos_{short}.npy").exists() or layer_type in config.get("layer_types", []):
+            rope[layer_type] = (_load_npy(root / f"cos_{short}.npy"), _load_npy(root / f"sin_{short}.npy"))
+    return HostTables(
+        embed_q=_memmap(root / "embed_tokens_q8.bin", np.int8, (V, H)),
+        embed_scales=_memmap(root / "embed_tokens_scales.bin", "<f2", (V,)),
+        ple_q=_memmap(root / "embed_tokens_per_layer_q8.bin", np.int8, (V, PL)),
+        ple_scales=_memmap(root / "embed_tokens_per_layer_scales.bin", "<f2", (V,)),
+        embed_scale=float(config["embed_scale"]), per_layer_embed_scale=float(config["per_layer_embed_scale"]),
+        rope=rope,
+    )
+
+
+def open_engine(root: str | Path, precision: str = "fp16") -> Engine:
+    """A step driver over the bundle's chunks, executed by the MIL executor."""
+    root = Path(root)
+    config = read_json(root / "model_config.json")
+    chunks = [MILChunk(p, precision) for p in chunk_paths(root)]
+    first = chunks[0].models["infer"].interface["inputs"]
+    context = first["causal_mask_full"]["shape"][-1]
+    window = first["causal_mask_sliding"]["shape"][-1]
+    batches = sorted(int(f[len("prefill_b"):]) for f in chunks[0].functions if f.startswith("prefill_b"))
+    return Engine(chunks, load_host(root, config), context=context, window=window,
+                  prefill_batch=batches[-1] if batches else None)

@@ -77,9 +77,10 @@ def _register_int_fix() -> None:
         context.add(res, node.name)
 
 
-def _palettize_pass(nbits: int, group_size: int, cache: dict):
-    """A MIL graph pass replacing each linear weight (fp16 const, rows divisible by the group) by
-    `constexpr_lut_to_dense`. `cache` maps weight bytes to their LUT, so the functions of a chunk
+def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
+    """A MIL graph pass replacing each linear weight (fp16 const of >= 2048 values, coremltools'
+    default threshold) by `constexpr_lut_to_dense`; weights whose rows do not divide into groups
+    stay fp16 and are named in `skipped`. `cache` maps weight bytes to their LUT, so the functions of a chunk
     get bit-identical LUTs (and the merge can share them) without running k-means twice."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
@@ -101,9 +102,12 @@ def _palettize_pass(nbits: int, group_size: int, cache: dict):
                 return
             var = op.outputs[0]
             val = var.val
-            if not isinstance(val, np.ndarray) or val.ndim != 2 or val.size < 2048 or val.shape[0] % group_size:
+            if not isinstance(val, np.ndarray) or val.ndim != 2 or val.size < 2048:
                 return
             if not var.child_ops or any(c.op_type != "linear" or c.weight is not var for c in var.child_ops):
+                return
+            if val.shape[0] % group_size:
+                skipped.add(f"{op.name} {val.shape}")
                 return
             key = hashlib.sha1(np.ascontiguousarray(val, np.float16).tobytes()).hexdigest()
             if key not in cache:
@@ -124,11 +128,13 @@ def _tensor_types(io: dict):
             for n, t in io.items()]
 
 
-def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer):
+def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer,
+                     skipped: set | None = None):
     """Trace one function of one chunk and return it as a saved-ready MLModel."""
     import coremltools as ct
     import torch
 
+    _register_int_fix()
     io = chunk.functions[function]
     examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else torch.float32)
                      for t in io["inputs"].values())
@@ -146,7 +152,7 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
     del traced
     if options.bits != 16:
         with timer("palettize"):
-            _palettize_pass(options.bits, options.group_size, lut_cache)(prog)
+            _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(prog)
     with timer("convert"):
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
@@ -307,8 +313,7 @@ top-p or seed).
 
 ```bash
 pip install gemma-ane
-gemma-ane check .            # sizes and sha256 of every file against manifest.json
-gemma-ane generate . -p "Why is the sky blue?"
+gemma-ane inspect .          # functions, I/O, states, costs; sizes and sha256 against manifest.json
 ```
 
 `manifest.json` lists every file with its size and sha256, the converter versions and the options
@@ -360,6 +365,8 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
     out = Path(out)
     if out.exists() and not options.force:
         raise ConvertError(f"{out}: already exists (use --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory; refusing to replace it")
     with timer("load"):
         root = resolve_source(src)
         ckpt = Checkpoint(root)
@@ -385,14 +392,14 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         work.mkdir()
         steps = sum(len(c.functions) for c in plan.chunks)
         bar = tqdm(total=steps, desc="convert", unit="fn", disable=not progress)
-        sizes = {}
+        sizes, skipped = {}, set()
         for chunk in plan.chunks:
             with timer("load"), torch.no_grad():
                 model = load_weights(ChunkModel(plan, chunk), ckpt, torch.float32)
             lut_cache, paths = {}, {}
             for function in chunk.functions:
                 bar.set_postfix_str(f"{chunk.name}.{function}")
-                mlmodel = convert_function(model, chunk, function, options, lut_cache, timer)
+                mlmodel = convert_function(model, chunk, function, options, lut_cache, timer, skipped)
                 paths[function] = work / f"{chunk.name}.{function}.mlpackage"
                 with timer("convert"):
                     mlmodel.save(str(paths[function]))
@@ -412,13 +419,16 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
                     shutil.rmtree(package)
             sizes[chunk.name] = _tree_size(tmp / (f"{chunk.name}.mlmodelc" if compile_ else f"{chunk.name}.mlpackage"))
         bar.close()
+        if skipped:
+            print(f"note: {len(skipped)} weight(s) stay fp16: output channels not divisible by "
+                  f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})")
         shutil.rmtree(work)
-        name = (ckpt.spec.source.get("_name_or_path") or root.name)
+        name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
         with timer("sidecars"):
             write_sidecars(ckpt, plan, options, tmp, name)
             (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
             write_manifest(tmp, root, options, plan)
-        tmp.chmod(0o755)  # mkdtemp made it private; a bundle is meant to be shared
+        _make_shareable(tmp)  # mkdtemp and save_multifunction write private files
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -428,6 +438,14 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
     finally:
         ckpt.close()
     return timer.seconds
+
+
+def _make_shareable(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for p in root.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _tree_size(path: Path) -> int:

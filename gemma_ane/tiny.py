@@ -60,6 +60,11 @@ def _randomize(model, seed: int) -> None:
             # Attention scale is 1.0, so these set the softmax temperature: keep it smooth enough
             # that fp16 rounding does not flip which key wins.
             value = uniform(shape, 0.25, 0.75)
+        elif name == "norm.weight":
+            # The head reads the final norm: keep logits mostly below the softcap (tanh saturation
+            # makes near-ties), and keep the massive channels from dominating every logit.
+            value = uniform(shape, 0.2, 0.6)
+            value[:2] *= 0.05
         elif name.endswith("norm.weight"):
             value = uniform(shape, 0.5, 2.0)
             if name.endswith("post_feedforward_layernorm.weight"):

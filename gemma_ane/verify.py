@@ -123,7 +123,7 @@ def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, 
     plan = ChunkPlan.build(spec, context or context_for(spec, tokens), prefill_batch)
     if tokens < 2 or tokens > plan.context:
         raise ValueError(f"--tokens {tokens}: must be in [2, context={plan.context}]")
-    prompt_len = prompt_len if prompt_len is not None else max(1, tokens // 4)
+    prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(spec, tokens, seed)
     host = host_from_checkpoint(ckpt, plan.context)
     dtype = torch.float32 if precision == "fp32" else torch.float16
@@ -138,6 +138,38 @@ def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, 
     report["int8_tables_vs_original"] = compare(ref, orig)
     report["passed"] = passed(report)
     return report
+
+
+def verify_bundle(src, bundle, tokens: int = 64, precision: str = "fp16", seed: int = 0,
+                  prompt_len: int | None = None) -> dict:
+    """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
+    sidecars, against transformers fed the same dequantised tables."""
+    from .bundle import open_engine
+
+    if precision not in ("fp32", "fp16"):
+        raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
+    ckpt = Checkpoint(src)
+    ckpt.validate()
+    engine = open_engine(bundle, precision)
+    if not 2 <= tokens <= engine.context:
+        raise ValueError(f"--tokens {tokens}: must be in [2, context={engine.context}]")
+    prompt_len = _prompt_len(prompt_len, tokens)
+    ids = random_ids(ckpt.spec, tokens, seed)
+    ours = run_engine(engine, ids, prompt_len)
+    host = engine.host
+    tables = {k: np.asarray(getattr(host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
+    ref = oracle_logits(oracle_model(ckpt, tables), ids)
+    report = {"mode": "bundle", "precision": precision, "positions": tokens, "prompt_tokens": prompt_len,
+              "context": engine.context, "window": engine.window, "seed": seed, **compare(ours, ref)}
+    report["passed"] = passed(report)
+    return report
+
+
+def _prompt_len(prompt_len, tokens):
+    prompt_len = prompt_len if prompt_len is not None else max(1, tokens // 4)
+    if not 1 <= prompt_len <= tokens:
+        raise ValueError(f"--prompt-tokens {prompt_len}: must be in [1, --tokens={tokens}]")
+    return prompt_len
 
 
 def passed(report: dict) -> bool:
