@@ -40,10 +40,14 @@ def cmd_tiny(a):
 
 
 def cmd_verify(a):
-    from .verify import verify_graph
+    from .verify import verify_bundle, verify_graph
 
-    report = verify_graph(a.src, tokens=a.tokens, precision=a.precision, seed=a.seed,
-                          prompt_len=a.prompt_tokens, prefill_batch=a.prefill_batch)
+    if a.bundle:
+        report = verify_bundle(a.src, a.bundle, tokens=a.tokens, precision=a.precision or "fp16", seed=a.seed,
+                               prompt_len=a.prompt_tokens)
+    else:
+        report = verify_graph(a.src, tokens=a.tokens, precision=a.precision or "fp32", seed=a.seed,
+                              prompt_len=a.prompt_tokens, prefill_batch=a.prefill_batch)
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -139,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="Hugging Face checkpoint directory")
     s.add_argument("--tokens", type=int, default=64)
     s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
-    s.add_argument("--precision", default="fp32", choices=["fp32", "fp16"])
+    s.add_argument("--bundle", help="verify this converted bundle (run by the MIL executor) instead of the graph")
+    s.add_argument("--precision", choices=["fp32", "fp16"],
+                   help="arithmetic of our side (default: fp32 for the graph, fp16 for a bundle)")
     s.add_argument("--prefill-batch", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")

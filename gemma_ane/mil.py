@@ -433,7 +433,7 @@ class MILModel:
         for v in fn.outputs:
             last_use[v.name] = len(ops)
 
-        steps = []
+        steps, kinds = [], []
         self.linear_ops = 0
         for i, op in enumerate(ops):
             kind = op.op_type
@@ -463,7 +463,9 @@ class MILModel:
                 consts[outs[0]] = np.asarray(OPS[kind](**static)).astype(out_dtypes[0])
                 continue
             steps.append(self._step(op, kind, static, dynamic, outs, out_dtypes, consts, slots, last_use, i))
+            kinds.append(kind)
         self._steps = steps
+        self.step_kinds = kinds  # op type of each step, for profiling
         self._consts = consts
         self._outputs = {v.name: slots[v.name] for v in fn.outputs}
         self._nslots = len(slots)

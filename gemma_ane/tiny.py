@@ -35,6 +35,14 @@ PRESETS = {
         num_kv_shared_layers=4, use_double_wide_mlp=False, sliding_window=8, layer_types=[S, S, S, S, S, F] * 2,
         attention_k_eq_v=True, num_global_key_value_heads=1,
     ),
+    # E2B's real widths (hidden 1536, 8 query heads, head dims 256/512, MLP 6144 / 12288, PLE 256,
+    # window 512) with only 6 layers and a small vocabulary: catches shape assumptions that only
+    # show at full width, at a size a test can convert.
+    "e2b-wide": dict(
+        vocab_size=1024, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=6144,
+        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=512, layer_types=[S, S, S, F, S, F],
+    ),
 }
 
 

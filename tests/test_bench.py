@@ -17,3 +17,8 @@ def run(script, *args):
 def test_palettizer_quick():
     out = run("palettizer.py")
     assert "speed-up" in out and "| wide | 512x1536 |" in out
+
+
+def test_executor_profile_quick():
+    out = run("executor.py")
+    assert "matmul share of the step" in out
