@@ -1,3 +1,25 @@
 """gemma-ane: Gemma 4 E2B-it for the Apple Neural Engine."""
 
+import logging
+
 __version__ = "0.1.0"
+
+# coremltools logs, at import, every native proxy it cannot load off macOS and every untested
+# torch / scikit-learn version: noise for our users, who get a one-line note where it matters.
+logging.getLogger("coremltools").setLevel(logging.ERROR)
+
+
+def load(bundle, backend="auto", compute_units="cpu_and_ne", verify=False, precision="fp16", exact_rope=True):
+    """Open a bundle: see gemma_ane.runtime.load."""
+    from .runtime import load as _load
+
+    return _load(bundle, backend=backend, compute_units=compute_units, verify=verify, precision=precision,
+                 exact_rope=exact_rope)
+
+
+def generate(model, prompt=None, messages=None, **kw):
+    return model.generate(prompt, messages, **kw)
+
+
+def stream_generate(model, prompt=None, messages=None, **kw):
+    return model.stream_generate(prompt, messages, **kw)

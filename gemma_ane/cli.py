@@ -10,6 +10,8 @@ import sys
 from .bundle import BundleError
 from .checkpoint import CheckpointError
 from .mil import PackageError
+from .chat import ChatError
+from .sampling import SamplingError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
 
@@ -98,6 +100,102 @@ def cmd_inspect(a):
     return 0 if m["verified"] else 1
 
 
+def _sampling(a) -> dict:
+    return {k: getattr(a, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+            if getattr(a, k) is not None}
+
+
+def cmd_generate(a):
+    import dataclasses
+
+    from . import load
+
+    model = load(a.bundle, backend=a.backend)
+    kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
+    if a.json:
+        print(json.dumps(dataclasses.asdict(model.generate(a.prompt, **kw))))
+        return 0
+    for ev in model.stream_generate(a.prompt, **kw):
+        if ev.reasoning:
+            sys.stderr.write(ev.reasoning)
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(a):
+    from . import load
+
+    model = load(a.bundle, backend=a.backend)
+    system, think, messages = a.system, a.think, []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line == "/reset":
+            messages = []
+            model.reset()
+            print("(conversation cleared)")
+            continue
+        if line.startswith("/system"):
+            system = line[len("/system"):].strip() or None
+            messages = []
+            print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
+            continue
+        if line.startswith("/think"):
+            arg = line[len("/think"):].strip()
+            if arg not in ("on", "off"):
+                print("usage: /think on|off")
+                continue
+            think = arg == "on"
+            print(f"(thinking {arg})")
+            continue
+        messages.append({"role": "user", "content": line})
+        convo = ([{"role": "system", "content": system}] if system else []) + messages
+        answer = ""
+        for ev in model.stream_generate(messages=convo, max_tokens=a.max_tokens, enable_thinking=think, **_sampling(a)):
+            if ev.reasoning:
+                sys.stdout.write(ev.reasoning)
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            answer += ev.text
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def cmd_check(a):
+    from .runtime import check_bundle
+
+    problems = check_bundle(a.bundle, sha256=True)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if not problems:
+        print(f"{a.bundle}: ok (every file present, sizes and sha256 match the manifest)")
+    return 1 if problems else 0
+
+
+def _add_sampling(s):
+    s.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--system")
+    s.add_argument("--think", action="store_true", help="thinking mode: reasoning goes to stderr")
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--repetition-penalty", type=float)
+    s.add_argument("--seed", type=int)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -138,6 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-sha", action="store_true", help="check manifest sizes only, not sha256")
     s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("generate", help="generate text from a prompt")
+    s.add_argument("bundle")
+    s.add_argument("-p", "--prompt", required=True)
+    s.add_argument("--raw", action="store_true", help="no chat template: <bos> + the text")
+    s.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
+    _add_sampling(s)
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("chat", help="multi-turn chat (reads stdin; /reset, /system TEXT, /think on|off)")
+    s.add_argument("bundle")
+    _add_sampling(s)
+    s.set_defaults(fn=cmd_chat)
+
+    s = sub.add_parser("check", help="validate a bundle: every file, sizes and sha256")
+    s.add_argument("bundle")
+    s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
     s.add_argument("src", help="Hugging Face checkpoint directory")

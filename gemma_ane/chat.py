@@ -1,0 +1,162 @@
+"""Prompts in, text out: the chat template, streaming detokenisation, thinking and stop strings.
+
+A bundle is a downloaded file, so its chat template is untrusted code: it is rendered in jinja2's
+ImmutableSandboxedEnvironment, which refuses attribute access to Python internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+BOS, EOS, THINK, CHANNEL_OPEN, CHANNEL_CLOSE, TURN_OPEN, TURN_CLOSE = 2, 1, 98, 100, 101, 105, 106
+ROLES = {"system": "system", "user": "user", "assistant": "model", "model": "model"}
+
+
+class ChatError(ValueError):
+    """A conversation or template that cannot be rendered; the message says why."""
+
+
+def _content(message: dict) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    if not isinstance(content, str):
+        raise ChatError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+    return content.strip()
+
+
+def gemma4_prompt(messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False,
+                  bos_token: str = "<bos>") -> str:
+    """The built-in Gemma 4 formatter (SPEC §1), for bundles that carry no template."""
+    out = [bos_token]
+    if enable_thinking and (not messages or messages[0].get("role") != "system"):
+        out.append("<|turn>system\n<|think|>\n<turn|>\n")
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatError(f"unknown role {role!r}: expected system, user, assistant or model")
+        think = "<|think|>\n" if (i == 0 and role == "system" and enable_thinking) else ""
+        out.append(f"<|turn>{ROLES[role]}\n{think}{_content(m)}<turn|>\n")
+    if add_generation_prompt:
+        out.append("<|turn>model\n")
+    return "".join(out)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, bos_token: str = "<bos>", eos_token: str = "<eos>"):
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self._template = None
+        if source is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message):
+                raise TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._template = env.from_string(source)
+            except TemplateError as e:
+                raise ChatError(f"chat template does not compile: {e}") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ChatError("messages must be a list of {'role', 'content'} objects")
+        if self._template is None:
+            return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=enable_thinking, bos_token=self.bos_token,
+                                         eos_token=self.eos_token, tools=None, documents=None)
+        except TemplateError as e:  # SecurityError included: a template reaching for internals
+            raise ChatError(f"chat template failed: {e}") from None
+
+
+class Detokenizer:
+    """Incremental decoding that never emits half a multi-byte character: text is released only
+    once the decoded tail no longer ends in U+FFFD (an incomplete UTF-8 sequence)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+
+
+class OutputParser:
+    """Splits generated tokens into answer and reasoning (`<|channel>thought\\n ... <channel|>`),
+    and applies stop strings, holding back any tail that could still become one."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.content = Detokenizer(tokenizer)
+        self.reasoning = Detokenizer(tokenizer)
+        self.in_thought, self._skip_label, self._label = False, False, ""
+        self.stop = [s for s in (stop or []) if s]
+        self.pending = ""  # answer text not yet released (could be a stop string's prefix)
+        self.stopped = False
+        self.text, self.reasoning_text = "", ""
+
+    def add(self, token: int) -> Delta:
+        if self.stopped:
+            return Delta()
+        if token == CHANNEL_OPEN:
+            self.in_thought, self._skip_label = True, True
+            return Delta()
+        if token == CHANNEL_CLOSE:
+            self.in_thought = False
+            return Delta()
+        if self.in_thought:
+            piece = self.reasoning.add(token)
+            if self._skip_label:  # the channel name line: "thought\n"
+                self._label += piece
+                if "\n" not in self._label:
+                    return Delta()
+                piece, self._skip_label, self._label = self._label.split("\n", 1)[1], False, ""
+            self.reasoning_text += piece
+            return Delta(reasoning=piece)
+        return Delta(content=self._release(self.content.add(token)))
+
+    def _release(self, piece: str) -> str:
+        self.pending += piece
+        for s in self.stop:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending, self.stopped = self.pending[:i], "", True
+                self.text += out
+                return out
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        self.text += out
+        return out
+
+    def finish(self) -> Delta:
+        if self.stopped:
+            return Delta()
+        tail = self.pending + self.content.flush()
+        self.pending = ""
+        for s in self.stop:
+            if s in tail:
+                tail, self.stopped = tail[:tail.find(s)], True
+        self.text += tail
+        return Delta(content=tail)
