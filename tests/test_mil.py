@@ -165,7 +165,9 @@ def test_gather_with_edge_ids(gather_model):
     np.testing.assert_array_equal(out["by_col"], x[:, [2, 0, 0]])
 
 
-@pytest.mark.parametrize("bad", [5, -6], ids=["past-end", "before-start"])
+# coremltools saves gather behind `select(i >= 0, i, i + n)`, so a negative id reaches gather
+# already wrapped once: -6 arrives as -1 (in range, silently row 4), -11 arrives as -6.
+@pytest.mark.parametrize("bad", [5, 9, -11], ids=["one-past-end", "far-past-end", "before-start-after-wrap"])
 def test_gather_out_of_range_is_a_clear_error(gather_model, bad):
     x = f32(np.arange(15).reshape(5, 3))
     with pytest.raises(ExecutionError, match=r"gather: index out of range \[-5, 5\) on axis 0"):
@@ -813,6 +815,30 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt):
 
     # reset() empties the caches: the same run again gives the same logits, bit for bit
     np.testing.assert_array_equal(run_engine(batched, ids, prompt_len=13), a)
+
+
+def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
+    # chunk_2 returns whole caches (kv13_k ... kv14_v). A runtime may keep them (e.g. to run
+    # chunk_3 for an earlier row later); outputs that are views of the state would change under it.
+    from gemma_ane.bundle import open_engine
+    from gemma_ane.verify import random_ids
+
+    engine = open_engine(bundle16, "fp16")
+    chunk2 = engine.chunks[1]
+    kept = []
+    real = chunk2.predict
+
+    def record(function, inputs):
+        out = real(function, inputs)
+        kept.append({k: (v, v.copy()) for k, v in out.items()})
+        return out
+
+    chunk2.predict = record
+    engine.feed(random_ids(ckpt.spec, 4, seed=3), logits="none")
+    assert len(kept) == 4 and {"kv13_k", "kv14_v"} <= set(kept[0])
+    for i, outputs in enumerate(kept):
+        for name, (value, snapshot) in outputs.items():
+            np.testing.assert_array_equal(value, snapshot, err_msg=f"call {i}: {name} changed after later calls")
 
 
 # -- the CLI -----------------------------------------------------------------------------------------
