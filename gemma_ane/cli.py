@@ -70,7 +70,7 @@ def cmd_convert(a):
     from .convert import ConvertOptions, convert
 
     opts = ConvertOptions(context=a.context, bits=a.bits, group_size=a.group_size, prefill_batch=a.prefill_batch,
-                          split=parse_split(a.split), compile=a.compile, force=a.force)
+                          split=parse_split(a.split), compile=a.compile, force=a.force, layout=a.layout)
     seconds = convert(a.src, a.out, opts, progress=not a.quiet)
     total = sum(seconds.values())
     print("  ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + f"  total {total:.1f}s")
@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile to .mlmodelc (default: on macOS only)")
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--layout", default="ours", choices=["ours", "published"],
+                   help="published: reproduce the upstream build (argmax head, fp32 norm file, all-pairs RoPE)")
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")

@@ -9,6 +9,7 @@ renamed into place at the end, so a failed run leaves no OUT.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -45,10 +46,16 @@ class ConvertOptions:
     split: tuple[int, int] | None = None
     compile: bool | None = None  # None: compile on macOS, keep .mlpackage elsewhere
     force: bool = False
+    # "published" reproduces the upstream build for compatibility tests: chunk_3 returns
+    # token_id + token_logit, the PLE norm weight is fp32, the full-layer RoPE tables rotate every
+    # pair (SPEC §4) with 8192 rows, and there is no manifest.
+    layout: str = "ours"
 
     def check(self) -> None:
         if self.bits not in (4, 6, 8, 16):
             raise ConvertError(f"--bits {self.bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.layout not in ("ours", "published"):
+            raise ConvertError(f"--layout {self.layout!r}: choose ours or published")
         if self.group_size < 1:
             raise ConvertError(f"--group-size {self.group_size}: must be >= 1")
         if self.compile and platform.system() != "Darwin":
@@ -145,7 +152,8 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
     with timer("convert"):
         prog = ct.convert(
             traced, inputs=_tensor_types(io["inputs"]),
-            outputs=[ct.TensorType(name=n, dtype=np.float16) for n in io["outputs"]],
+            outputs=[ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
+                     for n, t in io["outputs"].items()],
             states=states or None, minimum_deployment_target=ct.target.iOS18,
             compute_precision=ct.precision.FLOAT16, convert_to="milinternal",
         )
@@ -218,7 +226,7 @@ def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name
         "compute_units": "CPU_AND_NE",
         "prefill_batch": plan.prefill_batch,
         "split": list(plan.split),
-        "head": "logits",
+        "head": "token_id" if options.layout == "published" else "logits",
     }
 
 
@@ -229,8 +237,15 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
                      out / "embed_tokens_per_layer_scales.bin")
     (out / "per_layer_projection.bin").write_bytes(
         ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
-    (out / "per_layer_norm_weight.bin").write_bytes(ckpt["per_layer_projection_norm.weight"].astype("<f2").tobytes())
-    rows = max(plan.context, 4096)
+    published = options.layout == "published"
+    norm = ckpt["per_layer_projection_norm.weight"]
+    (out / "per_layer_norm_weight.bin").write_bytes(norm.astype("<f4" if published else "<f2").tobytes())
+    rows = 8192 if published else max(plan.context, 4096)
+    if published:  # the upstream tables: every full-layer pair rotates (SPEC §4)
+        from .spec import Rope
+
+        full = spec.rope["full_attention"]
+        spec = dataclasses.replace(spec, rope={**spec.rope, "full_attention": Rope(full.theta, full.dim // 2, full.dim)})
     tables = rope_tables(spec, rows)
     names = {"sliding_attention": "sliding", "full_attention": "full"}
     for layer_type, (cos, sin) in tables.items():
@@ -372,7 +387,8 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         ckpt = Checkpoint(root)
         ckpt.validate()
         try:
-            plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split)
+            plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split,
+                                   head="token_id" if options.layout == "published" else "logits")
         except ConfigError as e:
             raise ConvertError(str(e)) from None
     parent = out.parent if str(out.parent) else Path(".")
@@ -427,7 +443,8 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         with timer("sidecars"):
             write_sidecars(ckpt, plan, options, tmp, name)
             (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
-            write_manifest(tmp, root, options, plan)
+            if options.layout == "ours":
+                write_manifest(tmp, root, options, plan)
         _make_shareable(tmp)  # mkdtemp and save_multifunction write private files
         if out.exists():
             shutil.rmtree(out)

@@ -206,6 +206,9 @@ class ChunkModel(nn.Module):
             if spec.final_logit_softcapping is not None:
                 cap = spec.final_logit_softcapping
                 logits = torch.tanh(logits / cap) * cap
+            if self.output_names[0] == "token_id":  # the upstream head: the argmax chosen in-graph
+                value, index = logits.reshape(-1).max(dim=0, keepdim=True)
+                return index.to(torch.int32), value
             return (logits,)
         outs = [h]
         if chunk.computes_ple:

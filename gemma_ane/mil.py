@@ -312,8 +312,10 @@ OPS = {
     "reduce_l2_norm": _reduce(lambda x, a, k: np.sqrt(np.sum(_f32(x) ** 2, axis=a, keepdims=k))),
     "reduce_l1_norm": _reduce(lambda x, a, k: np.sum(np.abs(_f32(x)), axis=a, keepdims=k)),
     "reduce_log_sum_exp": _reduce(lambda x, a, k: np.log(np.sum(np.exp(_f32(x)), axis=a, keepdims=k))),
-    "reduce_argmax": lambda x, axis=-1, keep_dims=False: np.argmax(x, axis=int(axis), keepdims=keep_dims).astype(np.int32),
-    "reduce_argmin": lambda x, axis=-1, keep_dims=False: np.argmin(x, axis=int(axis), keepdims=keep_dims).astype(np.int32),
+    "reduce_argmax": lambda x, axis=-1, keep_dims=False, output_dtype="int32": np.argmax(
+        x, axis=int(axis), keepdims=keep_dims).astype(_CAST[output_dtype]),
+    "reduce_argmin": lambda x, axis=-1, keep_dims=False, output_dtype="int32": np.argmin(
+        x, axis=int(axis), keepdims=keep_dims).astype(_CAST[output_dtype]),
     "matmul": lambda x, y, transpose_x=False, transpose_y=False: np.matmul(
         _f32(x).swapaxes(-1, -2) if transpose_x else _f32(x), _f32(y).swapaxes(-1, -2) if transpose_y else _f32(y)),
     "concat": lambda values, axis, interleave=False: np.concatenate(values, axis=int(axis)) if not interleave

@@ -193,7 +193,8 @@ class Model:
             if t_first is None:
                 t_first = time.perf_counter()
                 stats["ttft"] = t_first - t0
-            lp, top = sampler.logprobs(logits, token)
+            # the published head returns the chosen id only: no distribution to report
+            lp, top = sampler.logprobs(logits, token) if self.head == "logits" else (None, [])
             generated += 1
             history.append(token)
             if token in self.stop_ids:
@@ -293,6 +294,10 @@ def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verif
         raise BundleError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
     backend = pick_backend(backend)
     config = read_json(root / "model_config.json")
+    norm = root / "per_layer_norm_weight.bin"
+    if norm.is_file() and norm.stat().st_size not in (2 * config["per_layer_dim"], 4 * config["per_layer_dim"]):
+        # published builds store it as fp16 or fp32: tell the two apart by size, refuse anything else
+        raise BundleError(f"{norm}: {norm.stat().st_size} bytes, expected {config['per_layer_dim']} fp16 or fp32 values")
     if backend == "mil":
         chunks = [MILChunk(p, precision) for p in chunk_paths(root)]
         interfaces = [{f: m.interface for f, m in c.models.items()} for c in chunks]

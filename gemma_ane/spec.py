@@ -405,13 +405,16 @@ class ChunkPlan:
 
     @classmethod
     def build(cls, spec: ModelSpec, context: int = 2048, prefill_batch: int = 8,
-              split: tuple[int, int] | None = None) -> "ChunkPlan":
+              split: tuple[int, int] | None = None, head: str = "logits") -> "ChunkPlan":
+        """head="logits" (ours) or "token_id" (the upstream build's argmax head: greedy only)."""
         if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
             raise ConfigError(f"context={context!r}: must be a positive integer")
         if context < spec.sliding_window:
             raise ConfigError(f"context={context}: must be at least the sliding window ({spec.sliding_window})")
         if context % 32:
             raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
+        if head not in ("logits", "token_id"):
+            raise ConfigError(f"head={head!r}: choose logits or token_id")
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= spec.sliding_window:
             raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={spec.sliding_window}]")
         L, first = spec.num_layers, spec.first_shared_layer
@@ -490,7 +493,8 @@ class ChunkPlan:
                     for p in producers:
                         ins[kv_name(p, "k")] = kv_tensor(p)
                         ins[kv_name(p, "v")] = kv_tensor(p)
-                    outs = {"logits": Tensor((1, 1, spec.vocab_size))}
+                    outs = ({"logits": Tensor((1, 1, spec.vocab_size))} if head == "logits" else
+                            {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))})
                 functions[fname] = {"T": T, "inputs": ins, "outputs": outs}
             chunks.append(Chunk(
                 name=f"chunk_{ci + 1}", layers=layers, stateful=stateful, sliding_layers=sl, full_layers=fl,

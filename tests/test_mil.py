@@ -770,23 +770,36 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
         replacements.append(replacement)
     assert palettized > 50
 
-    engine = open_engine(bundle4, "fp16")
-    ids = random_ids(ckpt.spec, 48, seed=1)
-    ours = run_engine(engine, ids, prompt_len=13)
-    same = compare(ours, run_engine(graph_engine(ckpt, engine.host, torch.float16, replacements), ids, 13))
-    original = compare(ours, run_engine(graph_engine(ckpt, engine.host, torch.float16), ids, 13))
-    # Measured: same weights: top-1 1.0, min cosine 0.99995; vs the unquantised graph: min cosine
-    # ~0.98, so the 0.999 bar separates "same weights" from "4-bit noise".
-    assert same["min_cosine"] >= 0.999, same
-    assert same["top1_agreement"] >= 0.97, same
-    assert original["min_cosine"] < same["min_cosine"], (original, same)
+    ids = random_ids(ckpt.spec, 48, seed=0)
+    engines = {p: open_engine(bundle4, p) for p in ("fp32", "fp16")}
+    ours = {p: run_engine(e, ids, prompt_len=13) for p, e in engines.items()}
+    host = engines["fp16"].host
+    same = run_engine(graph_engine(ckpt, host, torch.float32, replacements), ids, 13)
+    unquantised = run_engine(graph_engine(ckpt, host, torch.float32), ids, 13)
+    exact, half = compare(ours["fp32"], same), compare(ours["fp16"], same)
+    control = compare(ours["fp32"], unquantised)
+    # Measured (48 positions; seeds 0-3 alike): fp32 executor vs fp32 graph, same weights: top-1
+    # 1.0, min cosine 0.99999 (not 1: the program's other constants and its inputs stay fp16
+    # even at fp32 precision); fp16 executor vs
+    # that graph: min cosine 0.9995-0.9998. Against the unquantised graph: min cosine 0.64-0.76.
+    # (fp16 executor vs an fp16 graph is not used: two independent fp16 roundings of this 4-bit
+    # model compound to 0.9987 on seed 0, each alone staying >= 0.9995 from fp32.)
+    assert exact["top1_agreement"] == 1.0 and exact["min_cosine"] >= 0.9999, exact
+    assert half["top1_agreement"] >= 0.97 and half["min_cosine"] >= 0.999, half
+    assert control["min_cosine"] < 0.99, control
 
 
-def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt):
+# fp32 is the proof (only summation order differs between a T=8 and a T=1 call); fp16 adds
+# rounding of different intermediate values and is held to fp16 tolerance.
+# Measured, seeds 0/2/5, 40 tokens: fp32 min cosine >= 0.99999996, cache diff <= 1e-4;
+# fp16 min cosine 0.99990-0.99998, cache diff <= 0.016 on values up to ~3.7
+# (the torch graph's own prefill-vs-infer gap in fp16 is the same size: 0.99993).
+@pytest.mark.parametrize("precision,min_cosine,cache_atol", [("fp32", 0.999999, 1e-3), ("fp16", 0.999, 3e-2)])
+def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol):
     from gemma_ane.bundle import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
-    batched, single = open_engine(bundle16, "fp16"), open_engine(bundle16, "fp16")
+    batched, single = open_engine(bundle16, precision), open_engine(bundle16, precision)
     single.prefill_batch = None
     calls = {"batched": [], "single": []}
     for key, engine in (("batched", batched), ("single", single)):
@@ -802,23 +815,22 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt):
     assert all(f == "infer" for _, f in calls["single"])
 
     report = compare(a, b)
-    # Measured: top-1 1.0, min cosine 0.99999+ (only fp16 rounding of T=8 vs T=1 rows differs)
     assert report["top1_agreement"] == 1.0, report
-    assert report["min_cosine"] >= 0.9999, report
+    assert report["min_cosine"] >= min_cosine, report
     for i in (0, 1):  # chunk_1 and chunk_2 hold the caches
         sa, sb = batched.chunks[i].state.arrays, single.chunks[i].state.arrays
         assert set(sa) == set(sb) == {"kv_cache_sliding", "kv_cache_full"}
         for name in sa:
             assert sa[name].any(), (i, name)
             np.testing.assert_allclose(sa[name].astype(np.float32), sb[name].astype(np.float32),
-                                       atol=2e-2, rtol=1e-2, err_msg=f"chunk_{i + 1} {name}")
+                                       atol=cache_atol, rtol=0, err_msg=f"chunk_{i + 1} {name}")
 
     # reset() empties the caches: the same run again gives the same logits, bit for bit
     np.testing.assert_array_equal(run_engine(batched, ids, prompt_len=13), a)
 
 
 def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
-    # chunk_2 returns whole caches (kv13_k ... kv14_v). A runtime may keep them (e.g. to run
+    # chunk_2 returns whole caches (kv{p}_k / kv{p}_v). A runtime may keep them (e.g. to run
     # chunk_3 for an earlier row later); outputs that are views of the state would change under it.
     from gemma_ane.bundle import open_engine
     from gemma_ane.verify import random_ids
@@ -835,7 +847,7 @@ def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
 
     chunk2.predict = record
     engine.feed(random_ids(ckpt.spec, 4, seed=3), logits="none")
-    assert len(kept) == 4 and {"kv13_k", "kv14_v"} <= set(kept[0])
+    assert len(kept) == 4 and any(name.startswith("kv") for name in kept[0])
     for i, outputs in enumerate(kept):
         for name, (value, snapshot) in outputs.items():
             np.testing.assert_array_equal(value, snapshot, err_msg=f"call {i}: {name} changed after later calls")
