@@ -7,6 +7,7 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -133,13 +134,48 @@ class MILChunk:
         return model.predict(feed, state=self.state)
 
 
-def _memmap(path: Path, dtype, shape) -> np.ndarray:
+def _check_size(path: Path, dtype, shape) -> None:
     expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if not path.is_file():
         raise BundleError(f"{path}: missing")
     if path.stat().st_size != expected:
         raise BundleError(f"{path}: {path.stat().st_size} bytes, expected {expected} for {tuple(shape)} {np.dtype(dtype).name}")
-    return np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape))
+
+
+class RowTable:
+    """A [rows, cols] int8 sidecar read a row at a time with pread.
+
+    Not mmap: on Linux a fault on a file mapping brings in a whole large folio (~2 MB here) per
+    touched row, so resident memory would climb toward the 2.3 GB table as tokens vary. pread
+    copies exactly the bytes of the rows a token uses, and nothing else stays resident."""
+
+    def __init__(self, path: Path, dtype, shape):
+        _check_size(path, dtype, shape)
+        self.path, self.dtype, self.shape = path, np.dtype(dtype), tuple(shape)
+        self.row_bytes = self.shape[1] * self.dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.atleast_1d(np.asarray(ids, np.int64))
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise BundleError(f"{self.path}: token id out of range [0, {self.shape[0]})")
+        data = b"".join(os.pread(self.fd, self.row_bytes, int(i) * self.row_bytes) for i in ids)
+        return np.frombuffer(data, self.dtype).reshape(len(ids), self.shape[1])
+
+    def __array__(self, dtype=None, copy=None):  # the whole table (verification only)
+        a = np.fromfile(self.path, self.dtype).reshape(self.shape)
+        return a if dtype is None else a.astype(dtype)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def _small(path: Path, dtype, shape) -> np.ndarray:
+    _check_size(path, dtype, shape)
+    return np.fromfile(path, dtype).reshape(shape)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -152,7 +188,7 @@ def _load_npy(path: Path) -> np.ndarray:
 
 
 def load_host(root: Path, config: dict) -> HostTables:
-    """Memory-mapped int8 tables and scales (only the rows a token uses are ever read), RoPE rows."""
+    """int8 tables read row by row (only the rows a token uses), their scales, RoPE tables."""
     root = Path(root)
     V, H = config["vocab_size"], config["hidden_size"]
     PL = config["num_hidden_layers"] * config["per_layer_dim"]
@@ -161,10 +197,10 @@ def load_host(root: Path, config: dict) -> HostTables:
         if (root / f"cos_{short}.npy").exists() or layer_type in config.get("layer_types", []):
             rope[layer_type] = (_load_npy(root / f"cos_{short}.npy"), _load_npy(root / f"sin_{short}.npy"))
     return HostTables(
-        embed_q=_memmap(root / "embed_tokens_q8.bin", np.int8, (V, H)),
-        embed_scales=_memmap(root / "embed_tokens_scales.bin", "<f2", (V,)),
-        ple_q=_memmap(root / "embed_tokens_per_layer_q8.bin", np.int8, (V, PL)),
-        ple_scales=_memmap(root / "embed_tokens_per_layer_scales.bin", "<f2", (V,)),
+        embed_q=RowTable(root / "embed_tokens_q8.bin", np.int8, (V, H)),
+        embed_scales=_small(root / "embed_tokens_scales.bin", "<f2", (V,)),
+        ple_q=RowTable(root / "embed_tokens_per_layer_q8.bin", np.int8, (V, PL)),
+        ple_scales=_small(root / "embed_tokens_per_layer_scales.bin", "<f2", (V,)),
         embed_scale=float(config["embed_scale"]), per_layer_embed_scale=float(config["per_layer_embed_scale"]),
         rope=rope,
     )

@@ -22,7 +22,7 @@ class ContextOverflow(ValueError):
 
 @dataclass
 class HostTables:
-    """Everything the host contributes to a step: int8 tables (arrays or memmaps) and RoPE rows."""
+    """Everything the host contributes to a step: int8 tables (arrays or row readers) and RoPE rows."""
 
     embed_q: np.ndarray  # int8 [V, H]
     embed_scales: np.ndarray  # fp16 [V]

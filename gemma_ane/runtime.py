@@ -177,11 +177,11 @@ class Model:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
-        sampler, parser = Sampler(params), OutputParser(self.tokenizer, stop)
+        parser = OutputParser(self.tokenizer, stop)
         stats = self._stats = {"prompt_tokens": len(ids)}
         t0 = time.perf_counter()
         logits, stats["reused_tokens"] = self._prefill(ids)
-        history = list(ids)
+        sampler = Sampler(params, history=ids)
         generated = 0
         finish = None
         t_first = None
@@ -189,14 +189,14 @@ class Model:
             if generated >= max_tokens:
                 finish = "length"
                 break
-            token = self._pick(sampler, logits, history)
+            token = self._pick(sampler, logits)
             if t_first is None:
                 t_first = time.perf_counter()
                 stats["ttft"] = t_first - t0
             # the published head returns the chosen id only: no distribution to report
             lp, top = sampler.logprobs(logits, token) if self.head == "logits" else (None, [])
             generated += 1
-            history.append(token)
+            sampler.observe(token)
             if token in self.stop_ids:
                 finish = "stop"
                 delta = parser.finish()
@@ -218,10 +218,11 @@ class Model:
         stats["generated"] = generated
         yield Event(text=tail.content if tail else "", finish_reason=finish)
 
-    def _pick(self, sampler: Sampler, logits, history) -> int:
+    def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
             return int(logits[0])  # published head: chunk_3 already chose
-        return sampler.choose(sampler.penalize(logits, np.asarray(history)))
+        # logprobs are reported from the raw logits, so penalise a copy
+        return sampler.choose(sampler.penalize(logits.copy()))
 
     def generate(self, prompt=None, messages=None, **kw) -> Result:
         r = Result()

@@ -68,60 +68,68 @@ class SamplingParams:
         return cls(**base).validate()
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
-
-
 class Sampler:
-    """Holds the random stream: one Sampler per generation, so a seed reproduces a whole run."""
+    """Holds the random stream and the token counts: one Sampler per generation, so a seed
+    reproduces a whole run and penalties cost O(distinct tokens seen) per step."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, history=()):
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        self.counts: dict[int, int] = {}
+        self._arrays = None
+        for t in history:
+            self.observe(t)
 
-    def penalize(self, logits: np.ndarray, history: np.ndarray) -> np.ndarray:
+    def observe(self, token: int) -> None:
+        self.counts[int(token)] = self.counts.get(int(token), 0) + 1
+        self._arrays = None
+
+    def penalize(self, logits: np.ndarray) -> np.ndarray:
+        """Repetition (transformers' rule: divide positive logits, multiply negative ones), presence
+        and frequency penalties over every token seen so far. Modifies and returns `logits`."""
         p = self.p
-        if not len(history) or (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
+        if not self.counts or (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
             return logits
-        logits = logits.copy()
-        ids, counts = np.unique(np.asarray(history, np.int64), return_counts=True)
-        ids_ok = ids < len(logits)
-        ids, counts = ids[ids_ok], counts[ids_ok]
+        if self._arrays is None:
+            ids = np.fromiter(self.counts, np.int64, len(self.counts))
+            counts = np.fromiter(self.counts.values(), np.float32, len(self.counts))
+            keep = ids < len(logits)
+            self._arrays = ids[keep], counts[keep]
+        ids, counts = self._arrays
         if p.repetition_penalty != 1.0:
             seen = logits[ids]
             logits[ids] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        if p.presence_penalty or p.frequency_penalty:
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
         return logits
 
     def choose(self, logits: np.ndarray) -> int:
-        """The next token id from (already penalised) logits."""
+        """The next token id from (already penalised) float32 logits."""
         p = self.p
         if p.temperature == 0.0 or p.top_k == 1:
             return int(np.argmax(logits))
-        x = logits.astype(np.float32) / np.float32(p.temperature)
-        m = x.max()
+        t = np.float32(p.temperature)
+        m = logits.max()
         if p.top_k:  # as transformers: top-p and min-p then act on the renormalised top-k
-            cand = self._top(x, min(p.top_k, len(x)))
-            probs = np.exp((x[cand] - m).astype(np.float64))
+            cand = top_indices(logits, min(p.top_k, len(logits)))
+            probs = np.exp(((logits[cand] - m) / t).astype(np.float64))
             probs /= probs.sum()
         elif p.top_p < 1.0 or p.min_p > 0:
             # Never sort the whole vocabulary: both truncations only keep tokens near the top, so
-            # grow a partition until it holds the top-p mass or reaches below the min-p floor.
-            total = np.exp((x - m).astype(np.float64)).sum()
+            # grow the candidate set until it holds the top-p mass or reaches below the min-p floor.
+            total = np.exp(((logits - m) / t).astype(np.float64)).sum()
             n = 64
             while True:
-                cand = self._top(x, min(n, len(x)))
-                probs = np.exp((x[cand] - m).astype(np.float64)) / total
+                cand = top_indices(logits, min(n, len(logits)))
+                probs = np.exp(((logits[cand] - m) / t).astype(np.float64)) / total
                 done_p = p.top_p < 1.0 and probs.sum() >= p.top_p
                 done_min = p.min_p > 0 and probs[-1] < p.min_p * probs[0]
-                if done_p or done_min or len(cand) == len(x):
+                if done_p or done_min or len(cand) == len(logits):
                     break
                 n *= 4
         else:
-            probs = np.exp((x - m).astype(np.float64))
-            probs /= probs.sum()
-            return int(self.rng.choice(len(x), p=probs))
+            probs = np.exp(((logits - m) / t).astype(np.float64))
+            return int(self.rng.choice(len(logits), p=probs / probs.sum()))
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             cand, probs = cand[:keep], probs[:keep]
@@ -130,18 +138,28 @@ class Sampler:
             cand, probs = cand[keep], probs[keep]
         return int(cand[self.rng.choice(len(cand), p=probs / probs.sum())])
 
-    @staticmethod
-    def _top(x: np.ndarray, n: int) -> np.ndarray:
-        """Indices of the n largest values, largest first."""
-        cand = np.argpartition(-x, n - 1)[:n] if n < len(x) else np.arange(len(x))
-        return cand[np.argsort(-x[cand], kind="stable")]
-
     def logprobs(self, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
         """(logprob of token, top-n alternatives) under the model's distribution."""
-        lp = log_softmax(logits.astype(np.float64))
+        m = float(logits.max())
+        lse = m + float(np.log(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64)))
         top = []
         if self.p.logprobs:
-            idx = np.argpartition(-lp, self.p.logprobs - 1)[:self.p.logprobs]
-            idx = idx[np.argsort(-lp[idx], kind="stable")]
-            top = [(int(i), float(lp[i])) for i in idx]
-        return float(lp[token]), top
+            top = [(int(i), float(logits[i]) - lse) for i in top_indices(logits, self.p.logprobs)]
+        return float(logits[token]) - lse, top
+
+
+def top_indices(x: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest values, largest first, without a full partition when possible:
+    a strided sample gives a threshold that keeps a few hundred candidates, checked to hold n."""
+    if n >= len(x):
+        return np.argsort(-x, kind="stable")
+    if len(x) > 16384:
+        sample = x[::64]
+        k = min(len(sample) - 1, n // 64 + 8)
+        threshold = np.partition(sample, len(sample) - 1 - k)[len(sample) - 1 - k]
+        cand = np.flatnonzero(x >= threshold)
+        if n <= len(cand) <= 64 * n + 4096:
+            cand = cand[np.argpartition(-x[cand], n - 1)[:n]] if len(cand) > n else cand
+            return cand[np.argsort(-x[cand], kind="stable")]
+    cand = np.argpartition(-x, n - 1)[:n]
+    return cand[np.argsort(-x[cand], kind="stable")]

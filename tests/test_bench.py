@@ -22,3 +22,8 @@ def test_palettizer_quick():
 def test_executor_profile_quick():
     out = run("executor.py")
     assert "matmul share of the step" in out
+
+
+def test_host_overhead_quick():
+    out = run("host_overhead.py")
+    assert "host overhead per token: median" in out and "resident memory" in out
