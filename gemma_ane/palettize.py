@@ -18,6 +18,12 @@ import torch
 _CODES = 1 << 16
 
 
+def _search(sorted_values: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """Codes with value <= x, per element. (torch.searchsorted broadcasts a 1-D sequence to
+    every row first: 100x slower here than numpy's.)"""
+    return torch.from_numpy(np.searchsorted(sorted_values, x.numpy(), side="right"))
+
+
 def _fp16_order():
     """Order-preserving key for every fp16 bit pattern, and each key's value (non-finite keys are
     clamped to the finite range: they hold no weights, but the value table must stay sorted)."""
@@ -33,7 +39,8 @@ def _fp16_order():
 _KEY_NP, _VALUES = _fp16_order()
 
 
-def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_iter: int = 300):
+def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_iter: int = 300,
+               block_bins: int = 1 << 24):
     """LUT-quantize a [out, in] weight (as the fp16 values a program stores) per group of
     `group_size` output channels.
 
@@ -47,6 +54,18 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
     out, cols = w16.shape
     if out % group_size:
         raise ValueError(f"{out} output channels are not divisible by group_size {group_size}")
+    # Groups are independent: run them in blocks so the [groups, codes] prefix tables stay within
+    # `block_bins` entries (the LM head has 8192 groups; all at once would need ~6 GB).
+    present = np.bincount(_KEY_NP[w16.view(np.uint16)].reshape(-1), minlength=_CODES) > 0
+    per_block = max(1, block_bins // int(present.sum())) * group_size
+    if out > per_block:
+        parts = [_kmeans_block(w16[r:r + per_block], nbits, group_size, max_iter) for r in range(0, out, per_block)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return _kmeans_block(w16, nbits, group_size, max_iter)
+
+
+def _kmeans_block(w16: np.ndarray, nbits: int, group_size: int, max_iter: int):
+    out, cols = w16.shape
     k, G, n = 1 << nbits, out // group_size, group_size * cols
     # Only the fp16 codes that occur anywhere in the weight get a bin (typically a third of them);
     # one flat bin per (group, code) then lets a single bincount build every group's histogram.
@@ -55,6 +74,7 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
     local = (np.cumsum(present) - 1).astype(np.int32)
     C = int(present.sum())
     values = _VALUES[torch.from_numpy(present)]
+    values_np = values.numpy()
     flat = torch.from_numpy(local[keys] + (np.arange(G, dtype=np.int32) * C)[:, None])
     counts = torch.bincount(flat.reshape(-1), minlength=G * C).reshape(G, C)
     # prefix[g, j] = total over the j smallest codes (count, and sum of values)
@@ -76,7 +96,7 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
     def lloyd(centroids):
         for _ in range(max_iter):
             mids = (centroids[:, 1:] + centroids[:, :-1]) / 2
-            edges = torch.cat([lo, torch.searchsorted(values, mids, right=True), hi], dim=1)
+            edges = torch.cat([lo, _search(values_np, mids), hi], dim=1)
             cnt, tot = stats(edges)
             updated = torch.sort(torch.where(cnt > 0, tot / cnt.clamp_min(1), centroids), dim=1).values
             if torch.equal(updated, centroids):
@@ -119,7 +139,7 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
     # Assign against the fp16 LUT actually stored, so every weight maps to its nearest stored value:
     # mark each group's boundaries on the code axis, and a cumulative sum labels every code.
     lut64 = lut.double()
-    bounds = torch.searchsorted(values, (lut64[:, 1:] + lut64[:, :-1]) / 2, right=True)
+    bounds = _search(values_np, (lut64[:, 1:] + lut64[:, :-1]) / 2)
     marks = torch.zeros(G, C + 1, dtype=torch.int16).scatter_add_(1, bounds, torch.ones_like(bounds, dtype=torch.int16))
     cluster_of_code = torch.cumsum(marks[:, :C], dim=1).to(torch.uint8)
     indices = cluster_of_code.reshape(-1)[flat.reshape(-1).long()].reshape(out, cols).numpy()
