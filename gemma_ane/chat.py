@@ -75,26 +75,35 @@ class ChatTemplate:
 
 
 class Detokenizer:
-    """Incremental decoding that never emits half a multi-byte character: text is released only
-    once the decoded tail no longer ends in U+FFFD (an incomplete UTF-8 sequence)."""
+    """Incremental decoding that never emits half a multi-byte character, in O(1) per token.
+
+    Decodes only a short window: the tokens since the last release plus the few before them, and
+    emits what the new tokens add to that prefix's text (decoding a slice on its own can differ
+    at its start, e.g. a dropped leading space). Text is held while it ends in U+FFFD, an
+    incomplete UTF-8 sequence."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.emitted = ""
+        self.prefix, self.read = 0, 0  # window start; end of the released tokens
+
+    def _decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        return self._release(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        before = self._decode(self.tokens[self.prefix:self.read])
+        text = self._decode(self.tokens[self.prefix:])
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(before):]
 
 
 @dataclass

@@ -162,8 +162,9 @@ def cmd_chat(a):
         convo = ([{"role": "system", "content": system}] if system else []) + messages
         answer = ""
         for ev in model.stream_generate(messages=convo, max_tokens=a.max_tokens, enable_thinking=think, **_sampling(a)):
-            if ev.reasoning:
-                sys.stdout.write(ev.reasoning)
+            if ev.reasoning:  # thinking goes to stderr, so stdout holds only the answers
+                sys.stderr.write(ev.reasoning)
+                sys.stderr.flush()
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             answer += ev.text

@@ -135,6 +135,8 @@ class Model:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
             if raw:
+                if system:
+                    raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
                 return [self.config.get("bos_token_id", 2)] + self.encode(prompt)
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode(self.template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking))
@@ -159,8 +161,12 @@ class Model:
         if common == 0:
             self.engine.reset()
         self.engine.position = common
-        self.cached = self.cached[:common]
-        logits = self.engine.feed(ids[common:])[-1]
+        self.cached = []  # unknown until the feed completes: a failure midway must not be reused
+        try:
+            logits = self.engine.feed(ids[common:])[-1]
+        except BaseException:
+            self.reset()
+            raise
         self.cached = list(ids)
         return logits, common
 
@@ -185,10 +191,7 @@ class Model:
         generated = 0
         finish = None
         t_first = None
-        while True:
-            if generated >= max_tokens:
-                finish = "length"
-                break
+        while max_tokens:
             token = self._pick(sampler, logits)
             if t_first is None:
                 t_first = time.perf_counter()
@@ -207,11 +210,16 @@ class Model:
             if parser.stopped:
                 finish = "stop"
                 break
-            if self.engine.position >= self.context:
-                finish = "length"
+            if generated >= max_tokens or self.engine.position >= self.context:
+                finish = "length"  # no feed: chunk_3 runs only where a next token is needed
                 break
-            logits = self.engine.feed([token])[-1]
+            try:
+                logits = self.engine.feed([token])[-1]
+            except BaseException:
+                self.reset()
+                raise
             self.cached.append(token)
+        finish = finish or "length"  # max_tokens=0
         end = time.perf_counter()
         tail = parser.finish() if finish == "length" else None
         stats["decode_s"] = end - (t_first or end)
@@ -279,7 +287,7 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
         chunk_paths(root)
     except BundleError as e:
         problems.append(str(e))
-    return problems
+    return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
 
 
 def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verify: bool = False,
@@ -292,7 +300,8 @@ def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verif
         raise BundleError(f"{root}: not a bundle directory")
     problems = check_bundle(root, sha256=verify)
     if problems:
-        raise BundleError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+        more = len(problems) - 1
+        raise BundleError(problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else ""))
     backend = pick_backend(backend)
     config = read_json(root / "model_config.json")
     norm = root / "per_layer_norm_weight.bin"

@@ -1,0 +1,690 @@
+"""`gemma-ane serve`: an OpenAI-compatible HTTP server over one loaded bundle.
+
+One engine per process: the caches hold one conversation, so a single worker thread runs the
+generations one at a time, in arrival order, from a bounded queue (a full queue answers 429), and
+the model's prefix reuse carries from one request to the next. Requests are validated and
+tokenised before they queue, so a bad one fails at once instead of after waiting its turn.
+
+Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
+register `serve` and the runtime stays usable without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import queue
+import re
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from .chat import ChatError
+from .engine import ContextOverflow
+from .sampling import SamplingError, SamplingParams
+
+log = logging.getLogger("gemma_ane.server")
+
+API_KEY_ENV = "GEMMA_ANE_API_KEY"
+_END = object()  # the worker's last item for a job: nothing more will come
+
+
+class APIError(Exception):
+    """A request the server refuses, rendered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- the engine's worker ----------------------------------------------------------------------------
+
+class Job:
+    """One generation: its arguments, a cancel flag the worker checks between tokens, and the
+    asyncio queue its events come back on."""
+
+    def __init__(self, rid: str, kwargs: dict, loop: asyncio.AbstractEventLoop):
+        self.id, self.kwargs, self.loop = rid, kwargs, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def next(self):
+        return await self.events.get()
+
+
+class Worker:
+    """Owns the model: one thread runs queued jobs in order. `max_queue` jobs may wait behind the
+    running one; `submit` refuses the next."""
+
+    def __init__(self, model, max_queue: int):
+        self.model, self.max_queue = model, max_queue
+        self._jobs: queue.Queue = queue.LifoQueue()
+        self._lock = threading.Lock()
+        self._admitted = 0  # waiting + running
+        self._thread: threading.Thread | None = None
+        self.current: Job | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._admitted - (self.current is not None)
+
+    def submit(self, job: Job) -> bool:
+        with self._lock:
+            if self._admitted > self.max_queue:
+                return False
+            self._admitted += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gemma-ane-engine", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything and let the thread finish its current token."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        for job in list(self._jobs.queue):
+            if job is not None:
+                job.cancel()
+        if self.current is not None:
+            self.current.cancel()
+        self._jobs.put(None)
+        thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self.current = job
+            try:
+                if not job.cancelled.is_set():
+                    self._generate(job)
+            finally:
+                self.current = None
+                with self._lock:
+                    self._admitted -= 1
+                job.put(_END)
+
+    def _generate(self, job: Job) -> None:
+        tokens = 0
+        events = self.model.stream_generate(**job.kwargs)
+        try:
+            for ev in events:
+                job.put(ev)
+                tokens += ev.token is not None
+                if False:
+                    # closing the generator at a yield leaves the caches and `cached` in step
+                    log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
+                    return
+        except ValueError as e:  # the request's fault (sampling, template, context): reported as 400
+            log.info("%s: refused: %s", job.id, e)
+            job.put(e)
+        except Exception as e:
+            log.exception("%s: generation failed", job.id)
+            job.put(e)
+        finally:
+            events.close()
+
+
+# -- token strings for logprobs -----------------------------------------------------------------
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-unicode map, inverted: how a ByteLevel BPE spells each raw byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class Vocab:
+    """Each token's own string and bytes, as OpenAI's logprobs report them. A token that is part
+    of a multi-byte character decodes to U+FFFD on its own, so its bytes come from the piece:
+    a SentencePiece byte-fallback `<0xNN>`, or a ByteLevel BPE's remapped characters."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        try:
+            from tokenizers import decoders
+
+            self._byte_level = _byte_level_table() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        except (ImportError, AttributeError):
+            self._byte_level = None
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        if token not in self._cache:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            raw = text.encode("utf-8")
+            if "\ufffd" in text:
+                piece = self.tokenizer.id_to_token(token) or ""
+                m = _BYTE_PIECE.fullmatch(piece)
+                if m:
+                    raw = bytes([int(m.group(1), 16)])
+                elif self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
+                    raw = bytes(self._byte_level[c] for c in piece)
+            self._cache[token] = (text, list(raw))
+        return self._cache[token]
+
+
+def _lp(x: float) -> float:
+    # JSON has no -inf; OpenAI reports "never" as -9999
+    return x if math.isfinite(x) else -9999.0
+
+
+# -- request parsing ------------------------------------------------------------------------------
+
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "an array", type(None): "null"}
+NUMBER = (int, float)
+
+
+def _field(body: dict, name: str, kind, default=None):
+    """body[name] if present and of the JSON type `kind` (a missing key and null both give default)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        want = "a number" if kind is NUMBER else _JSON_NAMES[kind]
+        raise APIError(400, f"{name}: expected {want}, got {_JSON_NAMES.get(type(value), type(value).__name__)}",
+                       param=name)
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = _field(body, "messages", list)
+    if not messages:
+        raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"{where}: expected an object with a string 'role'", param=where)
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                               param=f"{where}.content")
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"{where}.content: expected a string or an array of text parts", param=f"{where}.content")
+        # OpenAI's newer clients send system prompts as "developer"
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def _stop(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str):
+        return [stop] if stop else None
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop: expected a string or an array of strings", param="stop")
+    return stop
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = _field(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise APIError(400, f"{name}={value}: must be >= 1", param=name)
+            return value
+    return default
+
+
+_SAMPLING_PARAM = re.compile(r"^(\w+)=")
+
+
+class Request:
+    """A validated generation request: what to pass to `stream_generate` and how to answer."""
+
+    def __init__(self, kind: str, kwargs: dict, stream: bool, include_usage: bool, logprobs: int | None):
+        self.kind, self.kwargs, self.stream, self.include_usage, self.logprobs = kind, kwargs, stream, include_usage, logprobs
+        self.prompt_tokens = 0
+
+
+def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
+    """Check every field's type and range (nothing about the prompt's length: that needs the
+    tokenizer, see `count_prompt`)."""
+    name = _field(body, "model", str)
+    if name is not None and name != model_name:
+        raise APIError(404, f"The model `{name}` does not exist: this server runs `{model_name}`", param="model",
+                       code="model_not_found")
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise APIError(400, f"n={n}: only n=1 is supported", param="n")
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, {})
+    include_usage = _field(options, "include_usage", bool, False)
+    sampling = {k: _field(body, k, NUMBER) for k in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                                     "presence_penalty", "frequency_penalty")}
+    sampling["top_k"] = _field(body, "top_k", int)
+    sampling["seed"] = _field(body, "seed", int)
+    kwargs = {"stop": _stop(body)}
+    if kind == "chat":
+        kwargs["messages"] = _messages(body)
+        template_kwargs = _field(body, "chat_template_kwargs", dict, {})
+        kwargs["enable_thinking"] = _field(template_kwargs, "enable_thinking", bool,
+                                           _field(body, "enable_thinking", bool, False))
+        want = _field(body, "logprobs", bool, False)
+        top = _field(body, "top_logprobs", int)
+        if top is not None and not want:
+            raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+        logprobs = (top or 0) if want else None
+        kwargs["max_tokens"] = _max_tokens(body, ("max_completion_tokens", "max_tokens"), model.context)
+        lp_param = "top_logprobs"
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # the legacy API takes a batch; one prompt is all this server runs
+        if not isinstance(prompt, str):
+            raise APIError(400, "prompt: expected a string", param="prompt")
+        if _field(body, "echo", bool, False):
+            raise APIError(400, "echo: not supported", param="echo")
+        kwargs.update(prompt=prompt, raw=True)
+        logprobs = _field(body, "logprobs", int)
+        kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16)  # the legacy API's default
+        lp_param = "logprobs"
+    if logprobs is not None and getattr(model, "head", "logits") != "logits":
+        raise APIError(400, "logprobs: this bundle's head returns only the chosen token (published layout)",
+                       param=lp_param)
+    sampling["logprobs"] = logprobs or 0
+    try:
+        SamplingParams.from_generation_config(model.generation, **sampling)
+    except SamplingError as e:
+        m = _SAMPLING_PARAM.match(str(e))
+        param = m and m.group(1)
+        raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1) if param == "logprobs" else str(e),
+                       param=lp_param if param == "logprobs" else param) from None
+    kwargs.update(sampling)
+    return Request(kind, kwargs, stream, include_usage, logprobs)
+
+
+def count_prompt(model, req: Request) -> int:
+    """The prompt's length in tokens; refuses one the context cannot hold."""
+    kw = req.kwargs
+    param = "messages" if req.kind == "chat" else "prompt"
+    try:
+        ids = model.prompt_ids(kw.get("prompt"), kw.get("messages"), raw=kw.get("raw", False),
+                               enable_thinking=kw.get("enable_thinking", False))
+    except ChatError as e:
+        raise APIError(400, str(e), param=param) from None
+    if len(ids) > model.context:
+        raise APIError(400, f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
+                       param=param, code="context_length_exceeded")
+    return len(ids)
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+class Render:
+    """Turns the runtime's events into OpenAI response objects: whole, or as stream chunks."""
+
+    def __init__(self, req: Request, rid: str, model_name: str, vocab: Vocab):
+        self.req, self.id, self.model, self.vocab = req, rid, model_name, vocab
+        self.chat = req.kind == "chat"
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.offset = 0  # legacy logprobs' text_offset
+
+    def _envelope(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict:
+        p, c = self.req.prompt_tokens, self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _logprobs(self, events) -> dict | None:
+        """The logprobs object for these events' tokens, in the endpoint's format."""
+        events = [ev for ev in events if ev.token is not None]
+        if self.req.logprobs is None:
+            return None
+        if self.chat:
+            def entry(token, lp):
+                text, raw = self.vocab(token)
+                return {"token": text, "logprob": _lp(lp), "bytes": raw}
+            return {"content": [{**entry(ev.token, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]}
+                                for ev in events]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for ev in events:
+            text = self.vocab(ev.token)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(ev.logprob))
+            out["top_logprobs"].append({self.vocab(t)[0]: _lp(lp) for t, lp in ev.top_logprobs})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def whole(self, events: list) -> dict:
+        self.completion_tokens = sum(ev.token is not None for ev in events)
+        text = "".join(ev.text for ev in events)
+        finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            reasoning = "".join(ev.reasoning for ev in events)
+            if reasoning:
+                message["content"] += reasoning
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(events), "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(events), "finish_reason": finish}
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage()}
+
+    def _chunk(self, choice: dict) -> dict:
+        out = {**self._envelope(True), "choices": [{"index": 0, **choice}]}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def start(self) -> list[dict]:
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})] \
+            if self.chat else []
+
+    def step(self, ev) -> list[dict]:
+        """The chunks for one event: its text and reasoning (and token logprobs), then, on the
+        last event, the finish reason and (if asked for) the usage."""
+        self.completion_tokens += ev.token is not None
+        out = []
+        lp = self._logprobs([ev]) if ev.token is not None else None
+        if self.chat:
+            delta = {}
+            if ev.reasoning:
+                delta["reasoning_content"] = ev.reasoning
+            if ev.text:
+                delta["content"] = ev.text
+            if delta or lp:
+                out.append(self._chunk({"delta": delta, "logprobs": lp, "finish_reason": None}))
+        elif ev.text or lp:
+            out.append(self._chunk({"text": ev.text, "logprobs": lp, "finish_reason": None}))
+        if ev.finish_reason:
+            end = {"delta": {}} if self.chat else {"text": ""}
+            out.append(self._chunk({**end, "logprobs": None, "finish_reason": ev.finish_reason}))
+            if self.req.include_usage:
+                out.append({**self._envelope(True), "choices": [], "usage": self.usage()})
+        return out
+
+
+def _error_of(exc: BaseException) -> APIError:
+    if isinstance(exc, ContextOverflow):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
+        return APIError(400, str(exc))
+    return APIError(500, "the generation failed; see the server log", type="server_error")
+
+
+async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class Generation:
+    """The ASGI response for one queued job. It waits for the job's first event before choosing a
+    status, so a request the runtime refuses still gets a plain 400; it watches the connection
+    the whole time and cancels the job when the client goes (the worker stops at its next
+    token, or skips the job if it has not started)."""
+
+    def __init__(self, job: Job, render: Render):
+        self.job, self.render = job, render
+
+    async def __call__(self, scope, receive, send) -> None:
+        job = self.job
+
+        async def watch():
+            with contextlib.suppress(Exception):  # a receive that fails means the client is gone too
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            job.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            first = await job.next()
+            if first is _END:
+                err = APIError(503, "the server is shutting down", type="server_error")
+                await _send_json(send, err.status, err.body())
+            elif isinstance(first, BaseException):
+                err = _error_of(first)
+                await _send_json(send, err.status, err.body())
+            elif self.render.req.stream:
+                await self._stream(first, send)
+            else:
+                await self._whole(first, send)
+        except OSError:  # ASGI 2.4 servers raise on send once the client is gone
+            pass
+        finally:
+            job.cancel()
+            watcher.cancel()
+
+    async def _whole(self, item, send) -> None:
+        events = []
+        while item is not _END:
+            if isinstance(item, BaseException):
+                err = _error_of(item)
+                await _send_json(send, err.status, err.body())
+                return
+            events.append(item)
+            item = await self.job.next()
+        if not any(ev.finish_reason for ev in events):  # cut short: the client left, or the server is stopping
+            err = APIError(503, "the generation was cancelled", type="server_error")
+            await _send_json(send, err.status, err.body())
+            return
+        await _send_json(send, 200, self.render.whole(events))
+
+    async def _stream(self, item, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-accel-buffering", b"no")]})
+        chunks = self.render.start()
+        while item is not _END and not self.job.cancelled.is_set():
+            if isinstance(item, BaseException):
+                chunks.append(_error_of(item).body())
+                break
+            chunks += self.render.step(item)
+            if chunks:
+                await send({"type": "http.response.body", "body": b"".join(map(_sse, chunks)), "more_body": True})
+                chunks = []
+            item = await self.job.next()
+        else:
+            chunks.append("[DONE]")
+        body = b"".join(_sse(c) if isinstance(c, dict) else b"data: [DONE]\n\n" for c in chunks)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+async def _read_json(request, max_body: int) -> dict:
+    from starlette.requests import ClientDisconnect
+
+    too_big = APIError(413, f"the request body is larger than {max_body} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_body:
+        raise too_big
+    data = bytearray()
+    try:
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > max_body:
+                raise too_big
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body") from None
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: int = 16, max_body: int = 1_000_000):
+    """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids`, `context`,
+    `generation` and `tokenizer`, as `gemma_ane.load` returns)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    if max_queue < 0:
+        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+    worker = Worker(model, max_queue)
+    vocab = Vocab(model.tokenizer)
+    started = int(time.time())
+
+    def authorize(request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": model_name, "generating": worker.current is not None,
+                             "waiting": worker.waiting})
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "gemma-ane"}
+
+    async def models(request):
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request):
+        authorize(request)
+        if request.path_params["name"] != model_name:
+            raise APIError(404, f"The model `{request.path_params['name']}` does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card())
+
+    def endpoint(kind: str, prefix: str):
+        async def generate(request):
+            authorize(request)
+            req = parse_request(await _read_json(request, max_body), kind, model, model_name)
+            req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
+            rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            job = Job(rid, req.kwargs, asyncio.get_running_loop())
+            if not worker.submit(job):
+                raise APIError(429, f"the queue is full ({max_queue} requests waiting); retry shortly",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            return Generation(job, Render(req, rid, model_name, vocab))
+        return generate
+
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def http_error(request, exc):
+        code = "not_found" if exc.status_code == 404 else None
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def server_error(request, exc):
+        # the traceback goes to the server's log (Starlette re-raises after this), never to the client
+        return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(worker.stop)
+
+    app = Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", one_model, methods=["GET"]),
+        Route("/v1/chat/completions", endpoint("chat", "chatcmpl"), methods=["POST"]),
+        Route("/v1/completions", endpoint("completion", "cmpl"), methods=["POST"]),
+    ], exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    app.state.worker = worker
+    return app
+
+
+def serve(bundle, host: str = "127.0.0.1", port: int = 8080, backend: str = "auto", api_key: str | None = None,
+          max_queue: int = 16) -> None:
+    """Load `bundle` and serve it until interrupted."""
+    import uvicorn
+
+    from .runtime import load
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port={port}: expected 0..65535")
+    if max_queue < 0:
+        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
+    model = load(bundle, backend=backend)
+    app = build_app(model, model_name=Path(bundle).resolve().name, api_key=api_key, max_queue=max_queue)
+    # a stream still open at shutdown is cut after 5 s rather than holding the process
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def _cmd_serve(a) -> int:
+    serve(a.bundle, host=a.host, port=a.port, backend=a.backend, api_key=a.api_key or os.environ.get(API_KEY_ENV),
+          max_queue=a.max_queue)
+    return 0
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one; more get 429 (default 16)")
+    p.set_defaults(fn=_cmd_serve)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `gemma-ane serve` on the CLI's subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
+    _arguments(p)
+    return p
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gemma_ane.server", description="OpenAI-compatible HTTP server")
+    _arguments(p)
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, OSError) as e:  # bundle, backend and argument errors: one line, as the CLI does
+        print(f"gemma-ane serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
