@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .host import batch_is_exact, dequantize_rows, full_mask, sliding_mask
+from .host import batch_is_exact, dequantize_rows, full_mask, kv_sliding_mask, sliding_mask
 from .spec import FULL, SLIDING
 
 
@@ -48,9 +48,12 @@ class HostTables:
 class Engine:
     """Owns the position and drives chunk backends. Chunks are named chunk_1..chunk_3 in order."""
 
-    def __init__(self, chunks: list, host: HostTables, *, context: int, window: int, prefill_batch: int | None):
+    def __init__(self, chunks: list, host: HostTables, *, context: int, window: int, prefill_batch: int | None,
+                 kv_batches: tuple[int, ...] = (), kv_ple_width: int | None = None):
         self.chunks, self.host = chunks, host
         self.context, self.window, self.prefill_batch = context, window, prefill_batch
+        # KV-only prefill functions (prefill_kv_b{T}), largest first, and their PLE width
+        self.kv_batches, self.kv_ple_width = tuple(sorted(kv_batches, reverse=True)), kv_ple_width
         self.position = 0
 
     def reset(self) -> None:
@@ -103,14 +106,36 @@ class Engine:
         rows = range(T) if want == "all" else [T - 1]
         return [self._head(x, kv, r) for r in rows]
 
+    def _run_kv(self, ids: np.ndarray) -> None:
+        """A KV-only prefill batch: chunk_1 and chunk_2 up to the last cache-owning layer, no head."""
+        p0, T = self.position, len(ids)
+        x = self._inputs(ids, p0)
+        x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32)
+        x["per_layer_raw"] = x["per_layer_raw"][..., :self.kv_ple_width]
+        function = f"prefill_kv_b{T}"
+        out1 = self.chunks[0].predict(function, x)
+        x["hidden_states"] = out1["hidden_states_out"]
+        x["per_layer_combined"] = out1["per_layer_combined_out"]
+        self.chunks[1].predict(function, x)
+        self.position += T
+
+    def _kv_batch(self, remaining: int) -> int | None:
+        """The largest KV-only batch that starts aligned here and fits in what is left."""
+        for T in self.kv_batches:
+            if self.position % T == 0 and T <= remaining and self.position + T <= self.context:
+                return T
+        return None
+
     def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:
         """Process `ids` from the current position.
 
         logits="last": only the last token's logits (what generation needs; chunk_3 runs once);
         logits="all": every position's logits (for verification; chunk_3 runs per row);
         logits="none": just fill the caches.
-        Batches of `prefill_batch` run only where they are exactly causal (inside the first pass
-        of the ring); everything else, and always the last token, goes through `infer`.
+        With KV-only prefill functions, prompt tokens go through the largest aligned batch that
+        fits (T divides the window, so an aligned batch never wraps the ring). Otherwise batches of
+        `prefill_batch` run only where they are exactly causal (inside the first pass of the
+        ring). Everything else, and always the last token, goes through `infer`.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.position + len(ids) > self.context:
@@ -119,6 +144,13 @@ class Engine:
             )
         results, i, n, B = [], 0, len(ids), self.prefill_batch
         while i < n:
+            # KV-only batches produce no logits: use them for prompt tokens before the last one
+            # (and never when every position's logits are wanted).
+            T = self._kv_batch(n - i - 1) if self.kv_batches and logits != "all" else None
+            if T:
+                self._run_kv(ids[i:i + T])
+                i += T
+                continue
             p = self.position
             batch_ok = B is not None and B > 1 and batch_is_exact(p, B, self.window, self.context)
             if batch_ok and (n - i - 1 >= B or logits == "all" and n - i >= B):

@@ -142,7 +142,12 @@ class ChunkModel(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         for name, t in chunk.states.items():
             self.register_buffer(name, torch.zeros(t.shape))
-        fn = next(iter(chunk.functions.values()))
+        self.use_function(next(iter(chunk.functions)))
+
+    def use_function(self, function: str) -> None:
+        """Select which of the chunk's functions forward() computes (and traces as)."""
+        fn = self.chunk.functions[function]
+        self.kv_only = fn.get("kv_only", False)
         self.input_names = list(fn["inputs"])
         self.output_names = list(fn["outputs"])
 
@@ -173,18 +178,24 @@ class ChunkModel(nn.Module):
         x = dict(zip(self.input_names, inputs))
         h = x["hidden_states"]
         T = h.shape[1]
+        P = spec.per_layer_dim
+        # KV-only prefill keeps only what later tokens read: the caches of the owning layers.
+        n_layers = spec.first_shared_layer if self.kv_only else spec.num_layers
         if chunk.computes_ple:
             # The context half of PLE: project the scaled embedding, normalise each layer's slice,
             # add the token's own PLE row and average the two (2^-1/2).
-            proj = self.per_layer_model_projection(h) * spec.hidden_size**-0.5
-            proj = self.per_layer_projection_norm(proj.view(1, T, spec.num_layers, spec.per_layer_dim))
-            raw = x["per_layer_raw"].view(1, T, spec.num_layers, spec.per_layer_dim)
-            per_layer = ((proj + raw) * 2**-0.5).view(1, T, spec.per_layer_total)
+            weight = self.per_layer_model_projection.weight[:n_layers * P]
+            proj = F.linear(h, weight) * spec.hidden_size**-0.5
+            proj = self.per_layer_projection_norm(proj.view(1, T, n_layers, P))
+            raw = x["per_layer_raw"].view(1, T, n_layers, P)
+            per_layer = ((proj + raw) * 2**-0.5).view(1, T, n_layers * P)
         else:
             per_layer = x["per_layer_combined"]
 
         for key, layer in self.layers.items():
             i = int(key)
+            if i >= n_layers:
+                break
             sliding = spec.is_sliding(i)
             cos, sin = (x["cos_s"], x["sin_s"]) if sliding else (x["cos_f"], x["sin_f"])
             mask = x["causal_mask_sliding"] if sliding else x["causal_mask_full"]
@@ -192,12 +203,21 @@ class ChunkModel(nn.Module):
             src, attn = spec.kv_source[i], layer.self_attn
             if src == i:
                 pos = x["ring_pos"] if sliding else x["current_pos"]
-                k, v = self._write(i, *attn.new_kv(hn, cos, sin), pos)
+                k_new, v_new = attn.new_kv(hn, cos, sin)
+                if self.kv_only and sliding:
+                    # Attend over the ring as it was plus the batch itself, and only then write:
+                    # writing first would evict slots earlier rows of the batch still need.
+                    ring_k, ring_v = self._read(i, attn.head_dim)
+                    k, v = torch.cat([ring_k, k_new], dim=2), torch.cat([ring_v, v_new], dim=2)
+                    h_next = layer(h, hn, per_layer[:, :, i * P:(i + 1) * P], cos, sin, k, v, mask)
+                    self._write(i, k_new, v_new, pos)
+                    h = h_next
+                    continue
+                k, v = self._write(i, k_new, v_new, pos)
             elif src in chunk.layers:  # KV-shared layer whose producer ran earlier in this chunk
                 k, v = self._read(src, attn.head_dim)
             else:  # producer lives in chunk_2: its caches arrive as inputs
                 k, v = x[kv_name(src, "k")], x[kv_name(src, "v")]
-            P = spec.per_layer_dim
             h = layer(h, hn, per_layer[:, :, i * P:(i + 1) * P], cos, sin, k, v, mask)
 
         if chunk.has_head:
@@ -213,6 +233,8 @@ class ChunkModel(nn.Module):
         outs = [h]
         if chunk.computes_ple:
             outs.append(per_layer)
+        if self.kv_only:
+            return tuple(outs)
         for name in self.output_names[len(outs):]:  # kv{p}_k / kv{p}_v: the producers' whole caches
             p, which = int(name[2:].split("_")[0]), name.rsplit("_", 1)[1]
             k, v = self._read(p, spec.head_dims[p])
@@ -250,6 +272,7 @@ class TorchChunk:
     def predict(self, function: str, inputs: dict) -> dict:
         if function not in self.model.chunk.functions:
             raise KeyError(f"{self.model.chunk.name} has no function {function!r}")
+        self.model.use_function(function)
         args = []
         for name in self.model.input_names:
             a = torch.from_numpy(np.ascontiguousarray(inputs[name]))

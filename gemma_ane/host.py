@@ -80,6 +80,20 @@ def sliding_mask(p0: int, T: int, window: int, dtype=np.float16) -> np.ndarray:
     return np.where(allowed, 0, MASK_BLOCKED).astype(dtype)[None, None]
 
 
+def kv_sliding_mask(p0: int, T: int, window: int, dtype=np.float16) -> np.ndarray:
+    """KV-only prefill: row t (position p0+t) attends over [ring as it was before the batch | the
+    batch]. A ring column is valid iff its slot holds a position in (p0+t-window, p0-1]; a batch
+    column j iff j <= t. Shape (1, 1, T, window + T)."""
+    last = p0 - 1
+    slots = np.arange(window)
+    held = last - ((last - slots) % window) if last >= 0 else np.full(window, -1)
+    t = np.arange(T)[:, None]
+    ring = (held[None, :] >= 0) & (held[None, :] > p0 + t - window)
+    batch = np.arange(T)[None, :] <= t
+    allowed = np.concatenate([ring, batch], axis=1)
+    return np.where(allowed, 0, MASK_BLOCKED).astype(dtype)[None, None]
+
+
 def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
     """A write-then-attend batch is exactly causal only if no row's write evicts a slot that an
     earlier row of the same batch still needs: true for T == 1 or a batch inside the first ring pass."""

@@ -365,6 +365,10 @@ def _band_part(x, lower, upper):
     return np.where(keep, x, 0)
 
 
+# ops whose numpy result may be a view of their input `x`
+_VIEW_OPS = {"slice_by_index", "reshape", "transpose", "expand_dims", "squeeze", "identity", "split", "slice_by_size"}
+
+
 class MILState:
     """The states of one package, zero-initialised from its declared StateTypes. Like a Core ML
     state it can be passed to every function of the package that created it."""
@@ -435,10 +439,42 @@ class MILModel:
         for v in fn.outputs:
             last_use[v.name] = len(ops)
 
+        # Alias analysis. numpy views (slices, reshapes, ...) share memory with their source, and
+        # the executor writes KV caches in place; every var gets the "root" buffer it may share,
+        # so a write in place is allowed only when nothing else rooted there is read afterwards.
+        root = {name: ("state:" if name in self._state_inputs else "in:") + name for name in fn.inputs}
+        members: dict[str, list[str]] = {}
+        state_root = {name: "state:" + name for name in self._state_inputs}
+
+        def set_root(var, r):
+            root[var.name] = r
+            members.setdefault(r, []).append(var.name)
+
         steps, kinds = [], []
         self.linear_ops = 0
         for i, op in enumerate(ops):
             kind = op.op_type
+            own = "own:" + (op.outputs[0].name if op.outputs else op.name)
+            if kind == "read_state":
+                set_root(op.outputs[0], state_root[op.inputs["input"].name])
+            elif kind in _VIEW_OPS and "x" in op.inputs and not isinstance(op.inputs["x"], (list, tuple)):
+                for o in op.outputs:
+                    set_root(o, root.get(op.inputs["x"].name, own))
+            elif kind == "coreml_update_state":
+                r = root.get(op.inputs["value"].name, own)
+                if r.startswith(("in:", "const:")):  # never let a state become a caller's or a constant's buffer
+                    r = own
+                state_root[op.inputs["state"].name] = r
+                set_root(op.outputs[0], r)
+            elif kind == "slice_update":
+                x = op.inputs["x"]
+                r = root.get(x.name, "const:")
+                inplace = (not r.startswith(("in:", "const:")) and last_use.get(x.name) == i
+                           and all(last_use.get(v, -1) <= i for v in members.get(r, []) if v != x.name))
+                set_root(op.outputs[0], r if inplace else own)
+            else:
+                for o in op.outputs:
+                    set_root(o, "own:" + o.name)
             if kind == "const":
                 val = op.outputs[0].val
                 arr = np.asarray(val)
@@ -464,12 +500,19 @@ class MILModel:
                 # decompress once: the result is a constant of the program's dtype
                 consts[outs[0]] = np.asarray(OPS[kind](**static)).astype(out_dtypes[0])
                 continue
+            if kind == "slice_update":
+                static["inplace"] = root[op.outputs[0].name] == root.get(op.inputs["x"].name)
+            if kind == "coreml_update_state":
+                static["adopt"] = root[op.outputs[0].name] == root.get(op.inputs["value"].name)
             steps.append(self._step(op, kind, static, dynamic, outs, out_dtypes, consts, slots, last_use, i))
             kinds.append(kind)
         self._steps = steps
         self.step_kinds = kinds  # op type of each step, for profiling
         self._consts = consts
         self._outputs = {v.name: slots[v.name] for v in fn.outputs}
+        # Core ML returns fresh arrays: copy outputs that share a state's buffer (or an input's).
+        live = set(state_root.values())
+        self._copy_outputs = {v.name for v in fn.outputs if root.get(v.name) in live or root.get(v.name, "").startswith("in:")}
         self._nslots = len(slots)
         missing = [n for n in self.interface["outputs"] if n not in self._outputs]
         if missing:
@@ -514,31 +557,19 @@ class MILModel:
             run.needs_state = True
             return run
         if kind == "coreml_update_state":
-            name, value = op.inputs["state"].name, dynamic["value"]
+            name, value, adopt = op.inputs["state"].name, dynamic["value"], static.get("adopt", False)
 
-            def run(env, state, name=name, value=value, out=out):
+            def run(env, state, name=name, value=value, out=out, adopt=adopt):
+                # The state takes the value's buffer when nothing else owns it (the in-place KV
+                # writes), a copy otherwise; earlier views of the old buffer stay as they were.
                 arr = env[value]
-                target = state.arrays[name]
-                if arr is not target:
-                    target[...] = arr
-                env[out] = target
+                if not adopt:
+                    arr = np.array(arr, dtype=state.arrays[name].dtype)
+                state.arrays[name] = arr
+                env[out] = arr
             run.needs_state = True
             return run
         fn = OPS[kind]
-        if kind == "slice_update":
-            # Write in place when nothing reads the old tensor afterwards: the KV caches are the
-            # largest tensors here, and a copy per cache write would dominate a decode step.
-            # (Never into a constant or a caller's input, and into a state's buffer only when the
-            # result goes straight back into that same state.)
-            xv, src = op.inputs["x"], op.inputs["x"].op
-            if last_use.get(xv.name) == index and "x" in dynamic and src is not None \
-                    and src.op_type != "const" and not src.op_type.startswith("constexpr_"):
-                if src.op_type not in ("read_state", "coreml_update_state"):
-                    static["inplace"] = True
-                else:
-                    state_of = src.inputs["input" if src.op_type == "read_state" else "state"]
-                    static["inplace"] = any(c.op_type == "coreml_update_state" and c.inputs["state"] is state_of
-                                            for c in op.outputs[0].child_ops)
         items = list(dynamic.items())
         multi = len(outs) > 1
 
@@ -591,4 +622,5 @@ class MILModel:
                 step(env, state)
             else:
                 step(env)
-        return {name: env[s] for name, s in self._outputs.items() if name in self.interface["outputs"]}
+        return {name: (env[s].copy() if name in self._copy_outputs else env[s])
+                for name, s in self._outputs.items() if name in self.interface["outputs"]}

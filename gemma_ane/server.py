@@ -80,7 +80,7 @@ class Worker:
 
     def __init__(self, model, max_queue: int):
         self.model, self.max_queue = model, max_queue
-        self._jobs: queue.Queue = queue.LifoQueue()
+        self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._admitted = 0  # waiting + running
         self._thread: threading.Thread | None = None
@@ -137,7 +137,7 @@ class Worker:
             for ev in events:
                 job.put(ev)
                 tokens += ev.token is not None
-                if False:
+                if job.cancelled.is_set():
                     # closing the generator at a yield leaves the caches and `cached` in step
                     log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
                     return
@@ -169,14 +169,12 @@ class Vocab:
     a SentencePiece byte-fallback `<0xNN>`, or a ByteLevel BPE's remapped characters."""
 
     def __init__(self, tokenizer):
+        from tokenizers import decoders
+
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        try:
-            from tokenizers import decoders
-
-            self._byte_level = _byte_level_table() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
-        except (ImportError, AttributeError):
-            self._byte_level = None
+        byte_level = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
+        self._byte_level = _byte_level_table() if byte_level else None
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
@@ -288,6 +286,11 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
         kwargs["messages"] = _messages(body)
+        # answering these with plain text would look like success to a client that relies on them
+        if _field(body, "tools", list):
+            raise APIError(400, "tools: function calling is not supported", param="tools")
+        if _field(_field(body, "response_format", dict, {}), "type", str, "text") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
         kwargs["enable_thinking"] = _field(template_kwargs, "enable_thinking", bool,
                                            _field(body, "enable_thinking", bool, False))
@@ -389,7 +392,7 @@ class Render:
             message = {"role": "assistant", "content": text}
             reasoning = "".join(ev.reasoning for ev in events)
             if reasoning:
-                message["content"] += reasoning
+                message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": self._logprobs(events), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(events), "finish_reason": finish}

@@ -405,14 +405,20 @@ class ChunkPlan:
 
     @classmethod
     def build(cls, spec: ModelSpec, context: int = 2048, prefill_batch: int = 8,
-              split: tuple[int, int] | None = None, head: str = "logits") -> "ChunkPlan":
-        """head="logits" (ours) or "token_id" (the upstream build's argmax head: greedy only)."""
+              split: tuple[int, int] | None = None, head: str = "logits",
+              kv_batches: tuple[int, ...] = ()) -> "ChunkPlan":
+        """head="logits" (ours) or "token_id" (the upstream build's argmax head: greedy only).
+        kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`."""
         if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
             raise ConfigError(f"context={context!r}: must be a positive integer")
         if context < spec.sliding_window:
             raise ConfigError(f"context={context}: must be at least the sliding window ({spec.sliding_window})")
         if context % 32:
             raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
+        for T in kv_batches:
+            if isinstance(T, bool) or not isinstance(T, int) or T < 2 or spec.sliding_window % T:
+                raise ConfigError(f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
+                                  f"({spec.sliding_window}), so aligned batches never wrap the ring")
         if head not in ("logits", "token_id"):
             raise ConfigError(f"head={head!r}: choose logits or token_id")
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= spec.sliding_window:
@@ -496,6 +502,20 @@ class ChunkPlan:
                     outs = ({"logits": Tensor((1, 1, spec.vocab_size))} if head == "logits" else
                             {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))})
                 functions[fname] = {"T": T, "inputs": ins, "outputs": outs}
+            if stateful:
+                # KV-only prefill: only the cache-owning layers, PLE only for them, sliding layers
+                # attending over [ring as it was | the batch] before writing (SPEC §4 fixed).
+                own = spec.first_shared_layer * spec.per_layer_dim
+                for T in sorted(set(kv_batches), reverse=True):
+                    ins = host_inputs(T, "per_layer_raw" if ci == 0 else "per_layer_combined")
+                    ins[("per_layer_raw" if ci == 0 else "per_layer_combined")] = Tensor((1, T, own))
+                    ins["causal_mask_sliding"] = Tensor((1, 1, T, W + T))
+                    ins["current_pos"] = Tensor((1,), I32)
+                    ins["ring_pos"] = Tensor((1,), I32)
+                    outs = {"hidden_states_out": Tensor((1, T, H))}
+                    if ci == 0:
+                        outs["per_layer_combined_out"] = Tensor((1, T, own))
+                    functions[f"prefill_kv_b{T}"] = {"T": T, "inputs": ins, "outputs": outs, "kv_only": True}
             chunks.append(Chunk(
                 name=f"chunk_{ci + 1}", layers=layers, stateful=stateful, sliding_layers=sl, full_layers=fl,
                 states=states, functions=functions, has_head=ci == 2, computes_ple=ci == 0,

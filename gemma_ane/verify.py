@@ -161,6 +161,7 @@ def verify_bundle(src, bundle, tokens: int = 64, precision: str = "fp16", seed: 
     ref = oracle_logits(oracle_model(ckpt, tables), ids)
     report = {"mode": "bundle", "precision": precision, "positions": tokens, "prompt_tokens": prompt_len,
               "context": engine.context, "window": engine.window, "seed": seed, **compare(ours, ref)}
+    report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), ids))
     report["passed"] = passed(report)
     return report
 
