@@ -73,6 +73,21 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
     return problems
 
 
+def prompt_paths(chunks: list[dict]) -> dict:
+    """Cost per prompt token of each way a prompt can be processed: chunk_1 + chunk_2 run the
+    prompt (chunk_3 only for its last token). Weight bytes per prompt token = bytes of the
+    weights the functions read, divided by the tokens per call."""
+    stateful = [c for c in chunks if c["functions"].get("infer", {}).get("inputs", {}).get("current_pos")]
+    paths = {}
+    for fname in stateful[0]["functions"] if stateful else []:
+        fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
+        T = fns[0]["tokens_per_call"]
+        paths[fname] = {"tokens_per_call": T,
+                        "macs_per_prompt_token": sum(f["macs_per_token"] for f in fns),
+                        "weight_bytes_per_prompt_token": sum(f["weight_bytes"] for f in fns) / T}
+    return paths
+
+
 def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     root = Path(root)
     manifest = read_json(root / "manifest.json") if (root / "manifest.json").is_file() else None
@@ -96,7 +111,7 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
             }
         chunks.append(entry)
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
-    return {"bundle": str(root), "chunks": chunks,
+    return {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks),
             "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems}}
 
 
@@ -214,6 +229,13 @@ def open_engine(root: str | Path, precision: str = "fp16") -> Engine:
     first = chunks[0].models["infer"].interface["inputs"]
     context = first["causal_mask_full"]["shape"][-1]
     window = first["causal_mask_sliding"]["shape"][-1]
-    batches = sorted(int(f[len("prefill_b"):]) for f in chunks[0].functions if f.startswith("prefill_b"))
     return Engine(chunks, load_host(root, config), context=context, window=window,
-                  prefill_batch=batches[-1] if batches else None)
+                  **prefill_paths({f: m.interface for f, m in chunks[0].models.items()}))
+
+
+def prefill_paths(interfaces: dict) -> dict:
+    """The Engine's prompt-path arguments, read off chunk_1's functions."""
+    batches = sorted(int(f[len("prefill_b"):]) for f in interfaces if f.startswith("prefill_b") and f[9:].isdigit())
+    kv = sorted(int(f[len("prefill_kv_b"):]) for f in interfaces if f.startswith("prefill_kv_b"))
+    width = interfaces[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None
+    return {"prefill_batch": batches[-1] if batches else None, "kv_batches": tuple(kv), "kv_ple_width": width}

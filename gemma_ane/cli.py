@@ -66,11 +66,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _batches(text):
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--kv-prefill-batches {text!r}: expected comma-separated batch sizes, e.g. 64,8") from None
+
+
 def cmd_convert(a):
     from .convert import ConvertOptions, convert
 
     opts = ConvertOptions(context=a.context, bits=a.bits, group_size=a.group_size, prefill_batch=a.prefill_batch,
-                          split=parse_split(a.split), compile=a.compile, force=a.force, layout=a.layout)
+                          split=parse_split(a.split), compile=a.compile, force=a.force, layout=a.layout,
+                          kv_prefill_batches=_batches(a.kv_prefill_batches))
     seconds = convert(a.src, a.out, opts, progress=not a.quiet)
     total = sum(seconds.values())
     print("  ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + f"  total {total:.1f}s")
@@ -95,6 +105,9 @@ def cmd_inspect(a):
             for kind in ("inputs", "outputs"):
                 for name, t in f[kind].items():
                     print(f"    {kind[:-1]:<6} {name:<24} {str(t['shape']):<22} {t['dtype']}")
+    for name, path in report["prompt_paths"].items():
+        print(f"prompt path {name}: {path['macs_per_prompt_token'] / 1e6:.2f} M MACs and "
+              f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token")
     m = report["manifest"]
     print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
     return 0 if m["verified"] else 1
@@ -230,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile to .mlmodelc (default: on macOS only)")
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes, e.g. 64,8 (default: those of 64,8 "
+                   "that divide the window; empty disables)")
     s.add_argument("--layout", default="ours", choices=["ours", "published"],
                    help="published: reproduce the upstream build (argmax head, fp32 norm file, all-pairs RoPE)")
     s.set_defaults(fn=cmd_convert)

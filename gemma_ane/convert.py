@@ -50,6 +50,8 @@ class ConvertOptions:
     # token_id + token_logit, the PLE norm weight is fp32, the full-layer RoPE tables rotate every
     # pair (SPEC §4) with 8192 rows, and there is no manifest.
     layout: str = "ours"
+    # KV-only prefill batch sizes; None = those of 64 and 8 that divide the window
+    kv_prefill_batches: tuple[int, ...] | None = None
 
     def check(self) -> None:
         if self.bits not in (4, 6, 8, 16):
@@ -142,6 +144,7 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
     import torch
 
     _register_int_fix()
+    model.use_function(function)
     io = chunk.functions[function]
     examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else torch.float32)
                      for t in io["inputs"].values())
@@ -387,8 +390,13 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         ckpt = Checkpoint(root)
         ckpt.validate()
         try:
+            kv = options.kv_prefill_batches
+            if kv is None:
+                kv = tuple(T for T in (64, 8) if ckpt.spec.sliding_window % T == 0)
+            if options.layout == "published":
+                kv = ()  # the upstream build knows only infer and prefill_b8
             plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split,
-                                   head="token_id" if options.layout == "published" else "logits")
+                                   head="token_id" if options.layout == "published" else "logits", kv_batches=kv)
         except ConfigError as e:
             raise ConvertError(str(e)) from None
     parent = out.parent if str(out.parent) else Path(".")

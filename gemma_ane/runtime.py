@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .bundle import BundleError, MILChunk, check_manifest, chunk_paths, load_host
+from .bundle import BundleError, MILChunk, check_manifest, chunk_paths, load_host, prefill_paths
 from .chat import ChatTemplate, OutputParser
 from .engine import ContextOverflow, Engine
 from .host import rope_tables, rotated_pairs
@@ -323,10 +323,9 @@ def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verif
     head = "logits" if "logits" in head_outputs else "token_id"
     if head == "token_id":
         chunks[2] = _ArgmaxHead(chunks[2])
-    batches = sorted(int(f[len("prefill_b"):]) for f in interfaces[0] if f.startswith("prefill_b"))
     host = load_host(root, config)
     _check_rope(root, host, context, exact_rope)
-    engine = Engine(chunks, host, context=context, window=window, prefill_batch=batches[-1] if batches else None)
+    engine = Engine(chunks, host, context=context, window=window, **prefill_paths(interfaces[0]))
     tokenizer = Tokenizer.from_file(str(root / "hf_model" / "tokenizer.json"))
     template = _template(root / "hf_model")
     gen_path = root / "hf_model" / "generation_config.json"

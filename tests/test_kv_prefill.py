@@ -1,0 +1,106 @@
+"""KV-only prefill (prefill_kv_b{T}): exact at every position, and no work for the KV-shared layers."""
+
+import numpy as np
+import pytest
+
+import gemma_ane
+from gemma_ane.bundle import inspect_bundle, open_engine
+from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.convert import ConvertOptions, convert
+from gemma_ane.verify import oracle_model, random_ids
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_e2b, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kv") / "bundle"
+    convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, kv_prefill_batches=(16, 8, 4)), progress=False)
+    return out
+
+
+def states(engine):
+    return [{k: v.astype(np.float32) for k, v in c.state.arrays.items()} for c in engine.chunks[:2]]
+
+
+def schedule(engine):
+    """Record which function chunk_1 runs at which position."""
+    calls, c1 = [], engine.chunks[0]
+    original = c1.predict
+
+    def predict(function, inputs):
+        calls.append((function, int(inputs["current_pos"][0])))
+        return original(function, inputs)
+    c1.predict = predict
+    return calls
+
+
+@pytest.mark.parametrize("start,end", [(0, 70), (3, 61), (13, 100)])
+def test_states_and_logits_equal_token_by_token(bundle, tiny_e2b, start, end):
+    ids = random_ids(Checkpoint(tiny_e2b).spec, 100, seed=start)
+    kv, ref = open_engine(bundle, "fp32"), open_engine(bundle, "fp32")
+    ref.kv_batches, ref.prefill_batch = (), None  # the reference: one infer step per token
+    calls = schedule(kv)
+    for e in (kv, ref):
+        if start:
+            e.feed(ids[:start])  # leaves the next batch at an unaligned position
+    a, b = kv.feed(ids[start:end])[-1], ref.feed(ids[start:end])[-1]
+    used = {f for f, _ in calls}
+    assert {"prefill_kv_b16", "prefill_kv_b8", "prefill_kv_b4"} & used, used
+    # batches start aligned to their size, never wrapping the 16-slot ring
+    assert all(p % int(f.rsplit("b", 1)[1]) == 0 for f, p in calls if f.startswith("prefill_kv"))
+    np.testing.assert_allclose(a, b, atol=2e-3, rtol=1e-3)
+    for sa, sb in zip(states(kv), states(ref)):
+        for name in sa:
+            np.testing.assert_allclose(sa[name], sb[name], atol=2e-3, rtol=1e-3, err_msg=name)
+
+
+def test_after_a_rewind(bundle, tiny_e2b):
+    model = gemma_ane.load(bundle, backend="mil")
+    first = model.generate("x " * 5, raw=True, temperature=0, max_tokens=3)  # short: rewinding stays exact
+    second = model.generate("x " * 5 + "y " * 20, raw=True, temperature=0, max_tokens=30, logprobs=2)
+    assert second.reused_tokens > 0 and first.tokens
+    model.reset()
+    fresh = model.generate("x " * 5 + "y " * 20, raw=True, temperature=0, max_tokens=30, logprobs=2)
+    assert second.tokens == fresh.tokens
+    np.testing.assert_allclose(second.logprobs, fresh.logprobs, atol=0.15)  # batch splits differ: fp16
+
+
+def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
+    import torch
+
+    model = gemma_ane.load(bundle, backend="mil")
+    prompt = random_ids(model_spec := Checkpoint(tiny_e2b).spec, 37, seed=11).tolist()
+    ours = model.generate(model.tokenizer.decode(prompt), raw=True, temperature=0, max_tokens=30,
+                          repetition_penalty=2.0)
+    ids = [2] + model.encode(model.tokenizer.decode(prompt))
+    tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
+    oracle = oracle_model(Checkpoint(tiny_e2b), tables)
+    with torch.no_grad():
+        ref = oracle.generate(torch.tensor([ids]), max_new_tokens=len(ours.tokens), do_sample=False,
+                              repetition_penalty=2.0, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert len(ids) + len(ours.tokens) > 2 * model_spec.sliding_window
+    assert ours.tokens == ref[:len(ours.tokens)]
+
+
+def test_seed_contract_path_agrees_where_it_is_exact(bundle, tiny_e2b):
+    ids = random_ids(Checkpoint(tiny_e2b).spec, 16, seed=2)  # inside the first ring pass
+    kv, seed = open_engine(bundle, "fp32"), open_engine(bundle, "fp32")
+    seed.kv_batches = ()
+    calls = schedule(seed)
+    a, b = kv.feed(ids)[-1], seed.feed(ids)[-1]
+    assert ("prefill_b8", 0) in calls
+    np.testing.assert_allclose(a, b, atol=2e-3, rtol=1e-3)
+
+
+def test_weights_shared_and_costs_reported(bundle, tiny_e2b, tmp_path):
+    plain = tmp_path / "plain"
+    convert(str(tiny_e2b), str(plain), ConvertOptions(context=128, bits=16, kv_prefill_batches=()), progress=False)
+    for chunk in ("chunk_1", "chunk_2"):
+        w = lambda b: (b / f"{chunk}.mlpackage/Data/com.apple.CoreML/weights/weight.bin").stat().st_size
+        assert w(bundle) <= w(plain) * (1 + 0.05 * 3), chunk  # three added functions, < 5% each
+    paths = inspect_bundle(bundle, sha256=False)["prompt_paths"]
+    assert set(paths) == {"infer", "prefill_b8", "prefill_kv_b16", "prefill_kv_b8", "prefill_kv_b4"}
+    for T in (16, 8, 4):
+        kv = paths[f"prefill_kv_b{T}"]
+        assert kv["macs_per_prompt_token"] < paths["prefill_b8"]["macs_per_prompt_token"]
+        assert kv["tokens_per_call"] == T
+    assert paths["prefill_kv_b16"]["weight_bytes_per_prompt_token"] < paths["prefill_b8"]["weight_bytes_per_prompt_token"] / 2
