@@ -272,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("bundle")
     s.set_defaults(fn=cmd_check)
 
+    from . import server  # its web stack is imported only when `serve` runs
+
+    server.add_parser(sub)
+
     s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
     s.add_argument("src", help="Hugging Face checkpoint directory")
     s.add_argument("--tokens", type=int, default=64)

@@ -55,11 +55,13 @@ class Engine:
         # KV-only prefill functions (prefill_kv_b{T}), largest first, and their PLE width
         self.kv_batches, self.kv_ple_width = tuple(sorted(kv_batches, reverse=True)), kv_ple_width
         self.position = 0
+        self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
 
     def reset(self) -> None:
         for c in self.chunks:
             c.reset_state()
         self.position = 0
+        self.history = []
 
     def _inputs(self, ids: np.ndarray, p0: int) -> dict:
         T = len(ids)
@@ -119,46 +121,57 @@ class Engine:
         self.chunks[1].predict(function, x)
         self.position += T
 
-    def _kv_batch(self, remaining: int) -> int | None:
-        """The largest KV-only batch that starts aligned here and fits in what is left."""
-        for T in self.kv_batches:
-            if self.position % T == 0 and T <= remaining and self.position + T <= self.context:
-                return T
-        return None
+    def plan(self, p0: int, n: int, logits: str = "last") -> list[tuple[str, int]]:
+        """The steps (function, tokens) that feed() runs for n tokens starting at position p0.
+
+        KV-only batches produce no logits: prompt tokens before the last one go through the
+        largest one that starts aligned at the position and fits (T divides the window, so an
+        aligned batch never wraps the ring), never when every position's logits are wanted.
+        Otherwise batches of `prefill_batch` run only where they are exactly causal (inside the
+        first pass of the ring). Everything else, and always the last token, goes through `infer`.
+        """
+        steps, p, i, B = [], p0, 0, self.prefill_batch
+        while i < n:
+            kv = next((T for T in self.kv_batches if p % T == 0 and T <= n - i - 1 and p + T <= self.context),
+                      None) if logits != "all" else None
+            if kv:
+                steps.append((f"prefill_kv_b{kv}", kv))
+            elif B and B > 1 and batch_is_exact(p, B, self.window, self.context) and (
+                    n - i - 1 >= B or logits == "all" and n - i >= B):
+                steps.append((f"prefill_b{B}", B))
+            else:
+                steps.append(("infer", 1))
+            p += steps[-1][1]
+            i += steps[-1][1]
+        return steps
+
+    def rewind(self, position: int) -> None:
+        """Forget everything from `position` on (the caller knows the ring still holds the rest)."""
+        self.position = position
+        self.history = [(p, f, T) for p, f, T in self.history if p + T <= position]
 
     def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:
-        """Process `ids` from the current position.
+        """Process `ids` from the current position, as planned by plan().
 
         logits="last": only the last token's logits (what generation needs; chunk_3 runs once);
         logits="all": every position's logits (for verification; chunk_3 runs per row);
         logits="none": just fill the caches.
-        With KV-only prefill functions, prompt tokens go through the largest aligned batch that
-        fits (T divides the window, so an aligned batch never wraps the ring). Otherwise batches of
-        `prefill_batch` run only where they are exactly causal (inside the first pass of the
-        ring). Everything else, and always the last token, goes through `infer`.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.position + len(ids) > self.context:
             raise ContextOverflow(
                 f"{self.position + len(ids)} tokens exceed the context of {self.context}"
             )
-        results, i, n, B = [], 0, len(ids), self.prefill_batch
-        while i < n:
-            # KV-only batches produce no logits: use them for prompt tokens before the last one
-            # (and never when every position's logits are wanted).
-            T = self._kv_batch(n - i - 1) if self.kv_batches and logits != "all" else None
-            if T:
-                self._run_kv(ids[i:i + T])
-                i += T
-                continue
+        results, i, n = [], 0, len(ids)
+        for function, T in self.plan(self.position, n, logits):
             p = self.position
-            batch_ok = B is not None and B > 1 and batch_is_exact(p, B, self.window, self.context)
-            if batch_ok and (n - i - 1 >= B or logits == "all" and n - i >= B):
-                want = "all" if logits == "all" else "none"
-                results += self._run(ids[i:i + B], f"prefill_b{B}", want)
-                i += B
+            if function.startswith("prefill_kv"):
+                self._run_kv(ids[i:i + T])
+            elif T > 1:
+                results += self._run(ids[i:i + T], function, "all" if logits == "all" else "none")
             else:
                 want = logits if (logits == "all" or i == n - 1) else "none"
                 results += self._run(ids[i:i + 1], "infer", "last" if want != "none" else "none")
-                i += 1
+            self.history.append((p, function, T))
+            i += T
         return results

@@ -156,11 +156,24 @@ class Model:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # the last prompt token must run to give logits
-        if common < len(self.cached) and len(self.cached) - 1 >= self.engine.window:
+        # Keep only the steps a fresh run would also take: the same functions over the same
+        # positions give bit-identical caches, while fp16 batched and single-step results differ.
+        kept, p = 0, 0
+        for (pos, function, T), (fresh_fn, fresh_T) in zip(self.engine.history, self.engine.plan(0, len(ids))):
+            if pos != p or function != fresh_fn or T != fresh_T or p + T > common:
+                break
+            p += T
+            kept = p
+        common = kept
+        # A discarded position q overwrote ring slot q - window, which the kept prefix still needs
+        # when common < q < common + window: rewinding is exact only if nothing past `common` was
+        # cached, or nothing cached had wrapped the ring yet.
+        last = len(self.cached) - 1
+        if last > common and last >= self.engine.window:
             common = 0
         if common == 0:
             self.engine.reset()
-        self.engine.position = common
+        self.engine.rewind(common)
         self.cached = []  # unknown until the feed completes: a failure midway must not be reused
         try:
             logits = self.engine.feed(ids[common:])[-1]

@@ -27,3 +27,8 @@ def test_executor_profile_quick():
 def test_host_overhead_quick():
     out = run("host_overhead.py")
     assert "host overhead per token: median" in out and "resident memory" in out
+
+
+def test_server_load_quick():
+    out = run("server_load.py")
+    assert "| 20/20 |" in out and "p99 latency" in out
