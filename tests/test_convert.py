@@ -64,7 +64,8 @@ def bundle(request):
 
 @pytest.fixture(scope="module")
 def plan(tiny_e2b) -> ChunkPlan:
-    return ChunkPlan.build(ModelSpec.from_pretrained(tiny_e2b), CONTEXT)
+    # the converter's default KV-only prefill batches: those of 64 and 8 that divide the window (16)
+    return ChunkPlan.build(ModelSpec.from_pretrained(tiny_e2b), CONTEXT, kv_batches=(8,))
 
 
 @pytest.fixture(scope="module")
@@ -720,6 +721,9 @@ def test_inspect_json_reads_the_bundle(capsys, bundle16, bundle4, plan, text_cfg
                 assert isinstance(f["weight_bytes"], int) and f["weight_bytes"] > 0
     for ci, (c16, c4) in enumerate(zip(r16["chunks"], r4["chunks"])):
         for fname in c16["functions"]:
+            if fname.startswith("prefill_kv"):  # runs only the cache-owning layers: checked in test_kv_prefill
+                assert c16["functions"][fname]["macs_per_token"] < c16["functions"]["infer"]["macs_per_token"]
+                continue
             want = hand_macs_per_token(text_cfg, plan, ci)
             assert c16["functions"][fname]["macs_per_token"] == want, (c16["name"], fname)
             assert c4["functions"][fname]["macs_per_token"] == want, (c4["name"], fname)

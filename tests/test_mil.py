@@ -716,7 +716,7 @@ def test_bundle_default_function_is_infer(bundle16):
     from gemma_ane.bundle import MILChunk
 
     chunk = MILChunk(bundle16 / "chunk_1.mlpackage")
-    assert set(chunk.functions) == {"infer", "prefill_b8"}
+    assert set(chunk.functions) == {"infer", "prefill_b8", "prefill_kv_b8"}
     assert MILModel(bundle16 / "chunk_1.mlpackage").function_name == "infer"
     assert chunk.models["prefill_b8"].interface["inputs"]["hidden_states"]["shape"] == [1, 8, 64]
 
