@@ -721,8 +721,8 @@ def test_inspect_json_reads_the_bundle(capsys, bundle16, bundle4, plan, text_cfg
                 assert isinstance(f["weight_bytes"], int) and f["weight_bytes"] > 0
     for ci, (c16, c4) in enumerate(zip(r16["chunks"], r4["chunks"])):
         for fname in c16["functions"]:
-            if fname.startswith("prefill_kv"):  # runs only the cache-owning layers: checked in test_kv_prefill
-                assert c16["functions"][fname]["macs_per_token"] < c16["functions"]["infer"]["macs_per_token"]
+            if fname.startswith("prefill_kv"):  # other layers and masks: path totals are checked in test_kv_prefill
+                assert c16["functions"][fname]["macs_per_token"] > 0
                 continue
             want = hand_macs_per_token(text_cfg, plan, ci)
             assert c16["functions"][fname]["macs_per_token"] == want, (c16["name"], fname)
