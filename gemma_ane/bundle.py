@@ -39,7 +39,7 @@ def chunk_paths(root: Path) -> list[Path]:
     return found
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -68,7 +68,7 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
             problems.append(f"{p}: missing")
         elif p.stat().st_size != entry.get("size"):
             problems.append(f"{p}: size {p.stat().st_size}, manifest says {entry.get('size')}")
-        elif sha256 and _sha256(p) != entry.get("sha256"):
+        elif sha256 and sha256_file(p) != entry.get("sha256"):
             problems.append(f"{p}: sha256 differs from the manifest")
     return problems
 

@@ -10,8 +10,6 @@ import sys
 from .bundle import BundleError
 from .checkpoint import CheckpointError
 from .mil import PackageError
-from .chat import ChatError
-from .sampling import SamplingError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .bundle import sha256_file
 from .checkpoint import Checkpoint
 from .host import quantize_rows, rope_tables
 from .spec import ChunkPlan, ConfigError, ModelSpec
@@ -263,14 +264,6 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
 
 
 # -- manifest and model card ---------------------------------------------------------------------
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def bundle_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("manifest.json",))

@@ -7,7 +7,6 @@ elsewhere (the seeds' published layout included) run too.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time

@@ -41,3 +41,26 @@ def copy_ckpt(tmp_path):
         shutil.copytree(src, dst)
         return dst
     return make
+
+
+# Converting takes ~30 s even for a tiny model: one 16-bit and one 4-bit bundle (context 128, the
+# converter's defaults otherwise) serve every test file that only reads them; tests that damage a
+# bundle work on a copy.
+
+@pytest.fixture(scope="session")
+def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
+    from gemma_ane.convert import ConvertOptions, convert
+
+    out = tmp_path_factory.mktemp("bundle16") / "bundle"
+    convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle4(tiny_e2b, tmp_path_factory) -> Path:
+    from gemma_ane.convert import ConvertOptions, convert
+
+    out = tmp_path_factory.mktemp("bundle4") / "bundle"
+    seconds = convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=4), progress=False)
+    (out.parent / "seconds.json").write_text(json.dumps(seconds))  # the stage timings, for test_convert
+    return out

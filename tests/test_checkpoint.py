@@ -2,7 +2,6 @@
 
 import json
 import mmap
-import shutil
 import struct
 from pathlib import Path
 

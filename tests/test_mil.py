@@ -669,21 +669,13 @@ def test_precision_other_than_fp16_or_fp32(stateful, precision):
 # ====================================================================================================
 
 @pytest.fixture(scope="module")
-def bundle16(tiny_e2b, tmp_path_factory) -> Path:
-    from gemma_ane.convert import ConvertOptions, convert
-
-    out = tmp_path_factory.mktemp("mil16") / "bundle"
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
-    return out
+def bundle16(tiny_bundle16) -> Path:
+    return tiny_bundle16
 
 
 @pytest.fixture(scope="module")
-def bundle4(tiny_e2b, tmp_path_factory) -> Path:
-    from gemma_ane.convert import ConvertOptions, convert
-
-    out = tmp_path_factory.mktemp("mil4") / "bundle"
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=4), progress=False)
-    return out
+def bundle4(tiny_bundle4) -> Path:
+    return tiny_bundle4
 
 
 @pytest.fixture(scope="module")

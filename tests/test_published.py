@@ -13,11 +13,10 @@ from gemma_ane.host import rotated_pairs
 
 
 @pytest.fixture(scope="module")
-def bundles(tiny_e2b, tmp_path_factory):
+def bundles(tiny_e2b, tiny_bundle16, tmp_path_factory):
     root = tmp_path_factory.mktemp("published")
     convert(str(tiny_e2b), str(root / "published"), ConvertOptions(context=128, bits=16, layout="published"), progress=False)
-    convert(str(tiny_e2b), str(root / "ours"), ConvertOptions(context=128, bits=16), progress=False)
-    return root / "published", root / "ours"
+    return root / "published", tiny_bundle16
 
 
 def test_layout_is_the_published_one(bundles):

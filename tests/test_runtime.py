@@ -25,7 +25,6 @@ import gemma_ane
 from gemma_ane.bundle import BundleError, load_host
 from gemma_ane.chat import ChatError, ChatTemplate, OutputParser, gemma4_prompt
 from gemma_ane.cli import main
-from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.engine import ContextOverflow
 from gemma_ane.sampling import SamplingError, SamplingParams
 
@@ -37,10 +36,8 @@ CHUNK2_WEIGHTS = "chunk_2.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
 # -- fixtures ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def bundle(tiny_e2b, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("runtime") / "bundle"
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
-    return out
+def bundle(tiny_bundle16) -> Path:
+    return tiny_bundle16
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from openai import OpenAI
 
 import gemma_ane
 from gemma_ane.chat import ChatTemplate
-from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.runtime import Event
 from gemma_ane.server import Vocab, build_app
 
@@ -53,9 +52,9 @@ def msgs(text: str) -> list[dict]:
 # -- the server process ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def bundle(tiny_e2b, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / NAME
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
+def bundle(tiny_bundle16, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / NAME  # the model id is the bundle directory's name
+    out.symlink_to(tiny_bundle16, target_is_directory=True)
     return out
 
 

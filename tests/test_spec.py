@@ -3,7 +3,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
