@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job end to end on an embedded tiny model: make a random tiny Gemma 4 checkpoint,
 # show the chunk plan, prove the chunk graph against transformers at every position, convert
-# it to a Core ML bundle, inspect it, and run the bundle itself against transformers.
+# it to a Core ML bundle, inspect it, run the bundle itself against transformers, and generate
+# with it (random weights: the text is gibberish, the pipeline is real).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,6 +13,9 @@ gemma-ane tiny "$OUT/tiny-e2b" --preset e2b-mini --seed 0 --force
 gemma-ane plan "$OUT/tiny-e2b" --context 128
 gemma-ane verify "$OUT/tiny-e2b" --tokens 96 --prompt-tokens 13 --precision fp32
 gemma-ane verify "$OUT/tiny-e2b" --tokens 96 --prompt-tokens 13 --precision fp16
-gemma-ane convert "$OUT/tiny-e2b" "$OUT/bundle" --context 128 --force --quiet 2>/dev/null
+# coremltools prints hundreds of progress lines: keep them in a log, show it only on failure
+gemma-ane convert "$OUT/tiny-e2b" "$OUT/bundle" --context 128 --force --quiet 2> "$OUT/convert.log" \
+  || { tail -20 "$OUT/convert.log"; exit 1; }
 gemma-ane inspect "$OUT/bundle"
 gemma-ane verify "$OUT/tiny-e2b" --bundle "$OUT/bundle" --tokens 96 --prompt-tokens 13
+gemma-ane generate "$OUT/bundle" -p "Hello, who are you?" --max-tokens 24 --seed 0 --backend mil
