@@ -1,6 +1,6 @@
 """The runtime's host work per decoded token, with chunks that answer instantly.
 
-    python bench/host_overhead.py               # real E2B sizes: 262,144-row int8 sidecars (2.7 GB, memory-mapped)
+    python bench/host_overhead.py               # real E2B sizes: 262,144-row int8 sidecars (2.7 GB)
     python bench/host_overhead.py --quick       # small tables, for the test suite
 
 Per token: embedding + PLE row dequantisation from the memory-mapped sidecars, masks, RoPE rows,
@@ -105,7 +105,7 @@ def main(argv=None):
         rss_after = rss_mb()
     ms = np.array(times) * 1000
     table = "\n".join([
-        f"{'quick tables' if a.quick else 'E2B-size sidecars (memory-mapped, 2.7 GB)'}, {n} decoded tokens, vocab {V}, "
+        f"{'quick tables' if a.quick else 'E2B-size sidecars (2.7 GB, rows read with pread)'}, {n} decoded tokens, vocab {V}, "
         "top-k 64 + top-p 0.95 + repetition/presence penalties + logprob",
         "",
         f"- host overhead per token: median **{np.median(ms):.3f} ms**, p99 {np.percentile(ms, 99):.3f} ms "
