@@ -3,7 +3,7 @@
     python bench/host_overhead.py               # real E2B sizes: 262,144-row int8 sidecars (2.7 GB)
     python bench/host_overhead.py --quick       # small tables, for the test suite
 
-Per token: embedding + PLE row dequantisation from the memory-mapped sidecars, masks, RoPE rows,
+Per token: embedding + PLE row reads (pread) and dequantisation from the sidecars, masks, RoPE rows,
 the chunk calls (precomputed outputs), repetition/presence penalties, top-k/top-p sampling over
 the whole vocabulary and the chosen token's logprob. Prints median and p99 per token (target:
 <= 1 ms median) and the resident memory after the run, which must not grow with the table size.
