@@ -49,3 +49,10 @@ def record(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
         if new:
             f.write("# Benchmarks\n\nEvery entry is appended by a script in `bench/` (see bench/README.md).\n")
         f.write(entry)
+
+
+def publish(title: str, body: str, args) -> None:
+    """Print the figures; append them to BENCHMARKS.md unless --no-record or --quick."""
+    print(body)
+    if not getattr(args, "no_record", False) and not getattr(args, "quick", False):
+        record(title, body)

@@ -1,14 +1,16 @@
 """Lazy, text-only reading of a Hugging Face Gemma 4 safetensors checkpoint.
 
-The safetensors format is a JSON header plus raw little-endian arrays, so we read it with numpy
-and mmap instead of materialising shards: a tensor costs memory only while the caller holds it,
-and the vision/audio towers of the multimodal checkpoint are never touched.
+The safetensors format is a JSON header plus raw little-endian arrays, so we read exactly the rows
+asked for with pread instead of materialising shards: a tensor costs memory only while the caller
+holds it, and the vision/audio towers of the multimodal checkpoint are never touched. Not mmap:
+mapped pages that were read count in the process's resident memory until unmapped, so streaming
+the 4.7 GB PLE table through a map would look like (and on a tight machine, act like) 4.7 GB held.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -52,7 +54,7 @@ def _read_header(path: Path) -> dict:
             ok = False
         if not ok:
             raise CheckpointError(f"{path}: malformed safetensors header entry for tensor {name!r}")
-        entry["offset"] = 8 + n
+        entry["offset"], entry["file_size"] = 8 + n, size
         data_end = max(data_end, end)
     # Checked against the header only (a stat, no data read), so a cut-off download is reported
     # up front, as safetensors itself does, instead of at the first tensor that happens to be missing.
@@ -103,7 +105,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.root}: no embed_tokens.weight under model.language_model. or model.: not a Gemma 4 checkpoint"
             )
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._fds: dict[Path, int] = {}
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every text tensor the graph needs, with its shape."""
@@ -169,36 +171,51 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return self.prefix + name in self.entries
 
-    def raw(self, name: str) -> np.ndarray:
-        """A read-only view into the mapped shard (bf16 as uint16 bits)."""
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor as stored (bf16 as uint16 bits), read from the shard."""
         full = self.prefix + name
         if full not in self.entries:
             raise self._missing(full)
         path, entry = self.entries[full]
         if entry["dtype"] not in _DTYPES:
             raise CheckpointError(f"{path.name}: tensor {full} has unsupported dtype {entry['dtype']}")
-        if path not in self._maps:
-            with open(path, "rb") as f:
-                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         begin, end = entry["data_offsets"]
         dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
-        count = int(np.prod(entry["shape"], dtype=np.int64))
-        if end - begin != count * dtype.itemsize or entry["offset"] + end > len(self._maps[path]):
+        shape = entry["shape"]
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * dtype.itemsize or entry["offset"] + end > entry["file_size"]:
             raise CheckpointError(f"{path.name}: tensor {full} is truncated or its offsets are inconsistent")
-        return np.frombuffer(self._maps[path], dtype=dtype, count=count, offset=entry["offset"] + begin).reshape(entry["shape"])
+        rows = shape[0] if shape else 1
+        start, stop, _ = slice(start, stop).indices(rows)
+        stop = max(start, stop)
+        row_bytes = (count // rows if rows else 0) * dtype.itemsize
+        data = self._read(path, entry["offset"] + begin + start * row_bytes, (stop - start) * row_bytes)
+        return np.frombuffer(data, dtype=dtype).reshape([stop - start, *shape[1:]] if shape else [])
+
+    def _read(self, path: Path, offset: int, nbytes: int) -> bytearray:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            n = os.preadv(self._fds[path], [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{path.name}: unexpected end of file at byte {offset + done}")
+            done += n
+        return buf
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.rows(name)
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) of a tensor as float32; only those bytes of the shard are touched."""
-        arr = self.raw(name)[start:stop]
+        """Rows [start, stop) of a tensor as float32; only those bytes of the shard are read."""
+        arr = self.raw(name, start, stop)
         if self.dtype_of(name) == "BF16":
             # bf16 is the top half of a float32: widen by shifting the bits into place.
             return (arr.astype(np.uint32) << 16).view(np.float32)
         return arr.astype(np.float32)
 
     def close(self) -> None:
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .bundle import BundleError
@@ -64,6 +65,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _write_json(path: str, obj) -> None:
+    """Whole or not at all: a temporary sibling, then a rename."""
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
 def _batches(text):
     if text is None:
         return None
@@ -74,14 +83,19 @@ def _batches(text):
 
 
 def cmd_convert(a):
-    from .convert import ConvertOptions, convert
+    from .convert import ConvertOptions, StageTimer, convert
 
     opts = ConvertOptions(context=a.context, bits=a.bits, group_size=a.group_size, prefill_batch=a.prefill_batch,
                           split=parse_split(a.split), compile=a.compile, force=a.force, layout=a.layout,
                           kv_prefill_batches=_batches(a.kv_prefill_batches))
-    seconds = convert(a.src, a.out, opts, progress=not a.quiet)
+    timer = StageTimer()
+    seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
     total = sum(seconds.values())
     print("  ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + f"  total {total:.1f}s")
+    if timer.peak_rss:
+        print("peak memory: " + "  ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in timer.peak_rss.items()))
+    if a.stats:
+        _write_json(a.stats, {"seconds": seconds, "peak_rss_bytes": timer.peak_rss})
     print(f"wrote {a.out}")
 
 
@@ -241,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile to .mlmodelc (default: on macOS only)")
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--stats", help="also write {seconds, peak_rss_bytes} per stage to this JSON file")
     s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes, e.g. 64,8 (default: those of 64,8 "
                    "that divide the window; empty disables)")
     s.add_argument("--layout", default="ours", choices=["ours", "published"],

@@ -138,22 +138,71 @@ def _tensor_types(io: dict):
             for n, t in io.items()]
 
 
+@contextmanager
+def _quiet_coremltools():
+    """coremltools draws a progress bar per pass pipeline, a dozen per function, with no option to
+    turn them off; our own per-function bar says where the conversion is. So tqdm bars created
+    inside this block start disabled (tqdm reads its TQDM_* variables only at import)."""
+    from tqdm.std import tqdm
+
+    init = tqdm.__init__
+
+    def quiet_init(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    tqdm.__init__ = quiet_init
+    try:
+        yield
+    finally:
+        tqdm.__init__ = init
+
+
+@contextmanager
+def _lean_fp16_overflow():
+    """coremltools 9.0 decides per op whether its fp32 consts fit fp16 with
+    `abs[np.where(abs < 1e38)]`: int64 index arrays twice the size of each weight, ~10 GB for the
+    LM head alone, and ~20 s per function at E2B size. Same answer, in bounded blocks, while
+    converting (load_chunk has already refused weights beyond fp16, so it never says yes here)."""
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+
+    def fp16_overflow(op) -> bool:
+        for value in op.inputs.values():
+            for var in value if isinstance(value, (list, tuple)) else [value]:
+                if var.op is not None and var.op.op_type == "const" and var.is_tensor_or_scalar_of(dtype="fp32"):
+                    flat = np.ravel(var.op.val.val)
+                    for i in range(0, flat.size, 1 << 22):
+                        a = np.abs(flat[i:i + (1 << 22)])
+                        if np.any((a > 65504) & (a < 1e38)):
+                            return True
+        return False
+
+    original = FP16ComputePrecision.__dict__["fp16_overflow"]
+    FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
+    try:
+        yield
+    finally:
+        FP16ComputePrecision.fp16_overflow = original
+
+
 def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer,
-                     skipped: set | None = None):
-    """Trace one function of one chunk and return it as a saved-ready MLModel."""
+                     skipped: set | None = None, package_dir: Path | None = None):
+    """Trace one function of one chunk and return it as an MLModel; with `package_dir` the package
+    is written there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
     import coremltools as ct
     import torch
 
     _register_int_fix()
     model.use_function(function)
     io = chunk.functions[function]
-    examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else torch.float32)
+    float_type = next(model.parameters()).dtype
+    examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type)
                      for t in io["inputs"].values())
-    with timer("trace"), torch.no_grad():
+    with timer("trace"), torch.no_grad(), _quiet_coremltools():
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
               for n, t in chunk.states.items()]
-    with timer("convert"):
+    with timer("convert"), _quiet_coremltools(), _lean_fp16_overflow():
         prog = ct.convert(
             traced, inputs=_tensor_types(io["inputs"]),
             outputs=[ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
@@ -165,11 +214,12 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
     if options.bits != 16:
         with timer("palettize"):
             _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(prog)
-    with timer("convert"):
+    with timer("convert"), _quiet_coremltools():
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
         return ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                          pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
+                          pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True,
+                          package_dir=str(package_dir) if package_dir else None)
 
 
 def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -> None:
@@ -335,16 +385,44 @@ used.
 # -- the whole conversion -----------------------------------------------------------------------
 
 class StageTimer:
+    """Wall time and peak resident memory per stage. The peak comes from the kernel's high-water
+    mark (VmHWM), reset at each stage entry through /proc/self/clear_refs, so it is exact rather
+    than sampled; where /proc is missing (macOS) only times are kept."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}
 
     @contextmanager
     def __call__(self, stage: str):
+        _reset_peak_rss()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+            peak = _peak_rss()
+            if peak:
+                self.peak_rss[stage] = max(self.peak_rss.get(stage, 0), peak)
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def resolve_source(src: str) -> Path:
@@ -365,14 +443,15 @@ def resolve_source(src: str) -> Path:
 
 
 def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), progress: bool = True,
-            _fail_after: str | None = None) -> dict:
-    """Convert SRC into the bundle directory OUT; returns {stage: seconds}."""
+            timer: StageTimer | None = None, _fail_after: str | None = None) -> dict:
+    """Convert SRC into the bundle directory OUT; returns {stage: seconds} (`timer` also holds
+    each stage's peak resident memory)."""
     import torch
 
-    from .graph import ChunkModel, load_weights
+    from .graph import load_chunk
 
     options.check()
-    timer = StageTimer()
+    timer = timer or StageTimer()
     out = Path(out)
     if out.exists() and not options.force:
         raise ConvertError(f"{out}: already exists (use --force to replace it)")
@@ -411,21 +490,23 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         bar = tqdm(total=steps, desc="convert", unit="fn", disable=not progress)
         sizes, skipped = {}, set()
         for chunk in plan.chunks:
-            with timer("load"), torch.no_grad():
-                model = load_weights(ChunkModel(plan, chunk), ckpt, torch.float32)
+            with timer("load"):
+                # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16
+                # weights to fp32 copies); its consts are then views of these tensors.
+                try:
+                    model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
+                except ValueError as e:
+                    raise ConvertError(f"{root}: {e}") from None
             lut_cache, paths = {}, {}
             for function in chunk.functions:
                 bar.set_postfix_str(f"{chunk.name}.{function}")
-                mlmodel = convert_function(model, chunk, function, options, lut_cache, timer, skipped)
                 paths[function] = work / f"{chunk.name}.{function}.mlpackage"
-                with timer("convert"):
-                    mlmodel.save(str(paths[function]))
-                del mlmodel
+                convert_function(model, chunk, function, options, lut_cache, timer, skipped, paths[function])
                 bar.update(1)
                 if _fail_after == f"{chunk.name}.{function}":
                     raise RuntimeError(f"injected failure after {chunk.name}.{function}")
             del model, lut_cache
-            with timer("merge"):
+            with timer("merge"), _quiet_coremltools():
                 package = tmp / f"{chunk.name}.mlpackage"
                 merge_functions(paths, package)
                 for p in paths.values():

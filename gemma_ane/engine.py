@@ -56,6 +56,9 @@ class Engine:
         self.kv_batches, self.kv_ple_width = tuple(sorted(kv_batches, reverse=True)), kv_ple_width
         self.position = 0
         self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
+        # Logits come back as chunk_3 gives them (fp16) when None: the sampler reads fp16 without
+        # converting all 262,144 values, which costs more than the rest of a step's host work.
+        self.logits_dtype = np.float32
 
     def reset(self) -> None:
         for c in self.chunks:
@@ -80,7 +83,7 @@ class Engine:
         return x
 
     def _head(self, x: dict, kv: dict, row: int | None) -> np.ndarray:
-        """chunk_3 for one row (the last one by default): returns logits (vocab,) float32."""
+        """chunk_3 for one row (the last one by default): returns logits (vocab,) in logits_dtype."""
         c3 = self.chunks[2]
         if row is None:
             feed = {**x, **kv}
@@ -88,7 +91,7 @@ class Engine:
             feed = {k: (v[:, row:row + 1] if k in ("hidden_states", "per_layer_combined") else
                         v[:, :, row:row + 1] if k.startswith(("causal_mask", "cos_", "sin_")) else v)
                     for k, v in {**x, **kv}.items()}
-        return np.asarray(c3.predict("infer", feed)["logits"], np.float32).reshape(-1)
+        return np.asarray(c3.predict("infer", feed)["logits"], self.logits_dtype).reshape(-1)
 
     def _run(self, ids: np.ndarray, function: str, want: str) -> list[np.ndarray]:
         """One call of chunk_1, chunk_2 and (if logits are wanted) chunk_3 on ids at self.position."""

@@ -160,7 +160,9 @@ class ChunkModel(nn.Module):
         Sliding heads are zero-padded to the state width: one state holds both head sizes."""
         name, row = self.chunk.slot(layer)
         cache = getattr(self, name)
-        T, D, width = k.shape[2], k.shape[3], cache.shape[-1]
+        # D from the spec, not k.shape: the tracer records shapes as tensors, and a branch on one
+        # would be baked in with a warning
+        T, D, width = k.shape[2], self.spec.head_dims[layer], cache.shape[-1]
         if D < width:
             pad = torch.zeros(1, k.shape[1], T, width - D, dtype=k.dtype)
             k, v = torch.cat([k, pad], dim=-1), torch.cat([v, pad], dim=-1)
@@ -242,21 +244,32 @@ class ChunkModel(nn.Module):
         return tuple(outs)
 
 
-def load_weights(model: ChunkModel, ckpt, dtype=torch.float32) -> ChunkModel:
-    """Copy this chunk's tensors out of a Checkpoint (the LM head is the tied embedding)."""
-    state = model.state_dict()
-    for name, value in state.items():
-        if name in model.chunk.states:
-            continue  # caches start empty
-        src = "embed_tokens.weight" if name == "lm_head.weight" else name
-        state[name] = torch.from_numpy(ckpt[src].reshape(value.shape))
-    model.load_state_dict(state)
-    return model.to(dtype).eval()
+def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_range: bool = False) -> ChunkModel:
+    """Build a chunk straight in `dtype` and fill it from a Checkpoint, one tensor at a time (the LM
+    head is the tied embedding). At full size a chunk is gigabytes: it is laid out on the meta
+    device, so no random initialisation runs and no second copy of the weights exists at any point.
+    With fp16_range (conversion: the program stores fp16) a weight beyond fp16 is refused by name."""
+    with torch.device("meta"):
+        model = ChunkModel(plan, chunk)
+    model = model.to(dtype).to_empty(device="cpu")
+    with torch.no_grad():
+        for name, value in model.state_dict().items():  # these share the parameters' storage
+            if name in chunk.states:
+                continue
+            src = "embed_tokens.weight" if name == "lm_head.weight" else name
+            value.copy_(torch.from_numpy(ckpt[src].reshape(value.shape)))
+            if not torch.isfinite(value).all() or (fp16_range and value.abs().max() > 65504):
+                raise ValueError(f"{src}: values beyond the float16 range")
+        for m in model.modules():  # non-persistent buffers are not in the checkpoint
+            if isinstance(m, RMSNorm):
+                m.sqrt_eps.fill_(m.eps**0.5)
+        model.reset_state()
+    return model.eval()
 
 
 def build_chunks(plan: ChunkPlan, ckpt, dtype=torch.float32) -> list[ChunkModel]:
     with torch.no_grad():
-        return [load_weights(ChunkModel(plan, c), ckpt, dtype) for c in plan.chunks]
+        return [load_chunk(plan, c, ckpt, dtype) for c in plan.chunks]
 
 
 class TorchChunk:

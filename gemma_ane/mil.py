@@ -199,6 +199,11 @@ def _slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask):
     return tuple(out), tuple(squeeze)
 
 
+def _linear_weight_only(var) -> bool:
+    """Whether a var is used only as the weight of linear ops."""
+    return bool(var.child_ops) and all(c.op_type == "linear" and c.inputs.get("weight") is var for c in var.child_ops)
+
+
 def _lut_to_dense(indices, lut, vector_axis=None):
     if lut.shape[-1] != 1:
         raise ExecutionError("constexpr_lut_to_dense: vector palettization (VECTOR_SIZE > 1) is not supported")
@@ -451,6 +456,7 @@ class MILModel:
             members.setdefault(r, []).append(var.name)
 
         steps, kinds = [], []
+        widened = []  # slots of decompressed weights that the linear steps keep as fp32 copies
         self.linear_ops = 0
         for i, op in enumerate(ops):
             kind = op.op_type
@@ -497,8 +503,14 @@ class MILModel:
             outs = [slot(o) for o in op.outputs]
             out_dtypes = [self._float(_var_dtype(o)) for o in op.outputs]
             if kind.startswith("constexpr_") and not dynamic:
-                # decompress once: the result is a constant of the program's dtype
-                consts[outs[0]] = np.asarray(OPS[kind](**static)).astype(out_dtypes[0])
+                # Decompress once: the result is a constant of the program's dtype. A weight that
+                # only feeds linear ops is needed just long enough to be widened to fp32 (below),
+                # and not at all when another function of the package already widened it.
+                var = op.outputs[0]
+                if not (_linear_weight_only(var) and (var.name, tuple(var.shape)) in self._weights):
+                    consts[outs[0]] = np.asarray(OPS[kind](**static)).astype(out_dtypes[0])
+                    if _linear_weight_only(var):
+                        widened.append(outs[0])
                 continue
             if kind == "slice_update":
                 static["inplace"] = root[op.outputs[0].name] == root.get(op.inputs["x"].name)
@@ -506,6 +518,8 @@ class MILModel:
                 static["adopt"] = root[op.outputs[0].name] == root.get(op.inputs["value"].name)
             steps.append(self._step(op, kind, static, dynamic, outs, out_dtypes, consts, slots, last_use, i))
             kinds.append(kind)
+        for i in widened:
+            consts[i] = None
         self._steps = steps
         self.step_kinds = kinds  # op type of each step, for profiling
         self._consts = consts
@@ -525,9 +539,10 @@ class MILModel:
             if weight is None and dynamic.get("weight") is not None and consts[dynamic["weight"]] is not None:
                 weight = consts[dynamic["weight"]]
             x = dynamic["x"]
-            if weight is not None:
-                # Weights are constants: transposed and widened to fp32 once, so each call is one BLAS gemm.
-                key = (op.inputs["weight"].name, np.shape(weight))
+            key = (op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
+            if weight is not None or key in self._weights:
+                # Weights are constants: transposed and widened to fp32 once per package (functions
+                # share them), so each call is one BLAS gemm.
                 if key not in self._weights:
                     self._weights[key] = np.ascontiguousarray(_f32(weight).T)
                 wt = self._weights[key]

@@ -209,7 +209,9 @@ class Model:
                 t_first = time.perf_counter()
                 stats["ttft"] = t_first - t0
             # the published head returns the chosen id only: no distribution to report
-            lp, top = sampler.logprobs(logits, token) if self.head == "logits" else (None, [])
+            lp, top = (None, [])
+            if self.head == "logits" and params.logprobs is not None:
+                lp, top = sampler.logprobs(logits, token)
             generated += 1
             sampler.observe(token)
             if token in self.stop_ids:
@@ -241,8 +243,7 @@ class Model:
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
             return int(logits[0])  # published head: chunk_3 already chose
-        # logprobs are reported from the raw logits, so penalise a copy
-        return sampler.choose(sampler.penalize(logits.copy()))
+        return sampler.sample(logits)
 
     def generate(self, prompt=None, messages=None, **kw) -> Result:
         r = Result()
@@ -338,6 +339,7 @@ def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verif
     host = load_host(root, config)
     _check_rope(root, host, context, exact_rope)
     engine = Engine(chunks, host, context=context, window=window, **prefill_paths(interfaces[0]))
+    engine.logits_dtype = None  # the sampler reads fp16 logits directly
     tokenizer = Tokenizer.from_file(str(root / "hf_model" / "tokenizer.json"))
     template = _template(root / "hf_model")
     gen_path = root / "hf_model" / "generation_config.json"

@@ -26,7 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    logprobs: int = 0  # alternatives to report per token (0 = only the chosen token's logprob)
+    # None: no logprobs (a log-sum-exp over the whole vocabulary per token is not free);
+    # n >= 0: the chosen token's logprob and n alternatives
+    logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         def num(name, lo=None, hi=None, lo_open=False, integer=False):
@@ -46,7 +48,8 @@ class SamplingParams:
         num("repetition_penalty", 0.0, lo_open=True)
         num("presence_penalty", -2.0, 2.0)
         num("frequency_penalty", -2.0, 2.0)
-        num("logprobs", 0, 20, integer=True)
+        if self.logprobs is not None:
+            num("logprobs", 0, 20, integer=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer")
         return self
@@ -84,37 +87,72 @@ class Sampler:
         self.counts[int(token)] = self.counts.get(int(token), 0) + 1
         self._arrays = None
 
-    def penalize(self, logits: np.ndarray) -> np.ndarray:
-        """Repetition (transformers' rule: divide positive logits, multiply negative ones), presence
-        and frequency penalties over every token seen so far. Modifies and returns `logits`."""
+    def _penalized(self, vocab: int):
+        """(ids, counts) of the tokens the penalties touch, or None when no penalty is active."""
         p = self.p
         if not self.counts or (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
-            return logits
+            return None
         if self._arrays is None:
             ids = np.fromiter(self.counts, np.int64, len(self.counts))
             counts = np.fromiter(self.counts.values(), np.float32, len(self.counts))
-            keep = ids < len(logits)
+            keep = ids < vocab
             self._arrays = ids[keep], counts[keep]
-        ids, counts = self._arrays
+        return self._arrays
+
+    def _apply(self, seen: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
+        presence and frequency penalties, on the fp32 logits of the tokens seen so far."""
+        p = self.p
         if p.repetition_penalty != 1.0:
-            seen = logits[ids]
-            logits[ids] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            seen = np.where(seen > 0, seen / np.float32(p.repetition_penalty), seen * np.float32(p.repetition_penalty))
         if p.presence_penalty or p.frequency_penalty:
-            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+            seen = seen - (np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts)
+        return seen.astype(np.float32)
+
+    def penalize(self, logits: np.ndarray) -> np.ndarray:
+        """The penalties over every token seen so far, on fp32 logits. Modifies and returns `logits`."""
+        pen = self._penalized(len(logits))
+        if pen is not None:
+            ids, counts = pen
+            logits[ids] = self._apply(logits[ids], counts)
         return logits
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token id from chunk_3's raw logits (fp16 or fp32; not modified).
+
+        fp16 logits with greedy or top-k decoding never get converted whole: candidates are picked
+        on an integer key that orders fp16 values exactly, and only they and the penalised tokens
+        are converted to fp32. The result is the one the fp32 path gives, draw for draw."""
+        p = self.p
+        greedy = p.temperature == 0.0 or p.top_k == 1
+        if logits.dtype != np.float16 or not (greedy or p.top_k) or p.top_k + len(self.counts) >= len(logits):
+            return self.choose(self.penalize(np.array(logits, np.float32)))
+        key = _order_key(logits)
+        pen = self._penalized(len(logits))
+        k = 1 if greedy else p.top_k
+        if pen is not None:
+            key[pen[0]] = np.iinfo(np.int16).min  # judged below on their penalised fp32 values
+        cand = top_indices(key, k)
+        vals = logits[cand].astype(np.float32)
+        if pen is not None:
+            ids, counts = pen
+            cand = np.concatenate([cand, ids])
+            vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts)])
+            order = np.lexsort((cand, -vals))[:k]
+            cand, vals = cand[order], vals[order]
+        return int(cand[0]) if greedy else self._draw(cand, vals)
 
     def choose(self, logits: np.ndarray) -> int:
         """The next token id from (already penalised) float32 logits."""
         p = self.p
         if p.temperature == 0.0 or p.top_k == 1:
             return int(np.argmax(logits))
-        t = np.float32(p.temperature)
-        m = logits.max()
         if p.top_k:  # as transformers: top-p and min-p then act on the renormalised top-k
             cand = top_indices(logits, min(p.top_k, len(logits)))
-            probs = np.exp(((logits[cand] - m) / t).astype(np.float64))
-            probs /= probs.sum()
-        elif p.top_p < 1.0 or p.min_p > 0:
+            return self._draw(cand, logits[cand])
+        t = np.float32(p.temperature)
+        m = logits.max()
+        if p.top_p < 1.0 or p.min_p > 0:
             # Never sort the whole vocabulary: both truncations only keep tokens near the top, so
             # grow the candidate set until it holds the top-p mass or reaches below the min-p floor.
             total = np.exp(((logits - m) / t).astype(np.float64)).sum()
@@ -127,9 +165,18 @@ class Sampler:
                 if done_p or done_min or len(cand) == len(logits):
                     break
                 n *= 4
-        else:
-            probs = np.exp(((logits - m) / t).astype(np.float64))
-            return int(self.rng.choice(len(logits), p=probs / probs.sum()))
+            return self._truncate_and_draw(cand, probs)
+        probs = np.exp(((logits - m) / t).astype(np.float64))
+        return int(self.rng.choice(len(logits), p=probs / probs.sum()))
+
+    def _draw(self, cand: np.ndarray, vals: np.ndarray) -> int:
+        """Draw among the top-k candidates (largest first) and their fp32 logits."""
+        t = np.float32(self.p.temperature)
+        probs = np.exp(((vals - vals[0]) / t).astype(np.float64))
+        return self._truncate_and_draw(cand, probs / probs.sum())
+
+    def _truncate_and_draw(self, cand: np.ndarray, probs: np.ndarray) -> int:
+        p = self.p
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             cand, probs = cand[:keep], probs[:keep]
@@ -140,6 +187,7 @@ class Sampler:
 
     def logprobs(self, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
         """(logprob of token, top-n alternatives) under the model's distribution."""
+        logits = np.asarray(logits, np.float32)
         m = float(logits.max())
         lse = m + float(np.log(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64)))
         top = []
@@ -148,18 +196,34 @@ class Sampler:
         return float(logits[token]) - lse, top
 
 
+def _order_key(x16: np.ndarray) -> np.ndarray:
+    """int16 keys ordered exactly as the fp16 values (IEEE sign-magnitude -> two's complement,
+    -0 = +0): an integer partition is several times cheaper than converting 262,144 values."""
+    s = x16.view(np.int16)
+    key = s ^ ((s >> 15) & np.int16(0x7FFF))
+    key[key == -1] = 0
+    return key
+
+
 def top_indices(x: np.ndarray, n: int) -> np.ndarray:
-    """Indices of the n largest values, largest first, without a full partition when possible:
-    a strided sample gives a threshold that keeps a few hundred candidates, checked to hold n."""
-    if n >= len(x):
-        return np.argsort(-x, kind="stable")
-    if len(x) > 16384:
+    """Indices of the n largest values, largest first, ties by lower index (so any dtype that
+    orders the same values alike gives the same answer). A strided sample gives a threshold that
+    keeps a few hundred candidates, checked to hold n, so the full vocabulary is never sorted."""
+    N = len(x)
+    cand = None
+    if n >= N:
+        cand = np.arange(N)
+    elif N > 16384:
         sample = x[::64]
         k = min(len(sample) - 1, n // 64 + 8)
         threshold = np.partition(sample, len(sample) - 1 - k)[len(sample) - 1 - k]
         cand = np.flatnonzero(x >= threshold)
-        if n <= len(cand) <= 64 * n + 4096:
-            cand = cand[np.argpartition(-x[cand], n - 1)[:n]] if len(cand) > n else cand
-            return cand[np.argsort(-x[cand], kind="stable")]
-    cand = np.argpartition(-x, n - 1)[:n]
-    return cand[np.argsort(-x[cand], kind="stable")]
+        if not n <= len(cand) <= 64 * n + 4096:
+            cand = None
+    if cand is None:
+        cand = np.flatnonzero(x >= np.partition(x, N - n)[N - n])
+    v = x[cand].astype(np.float64)
+    if len(cand) > 4 * n:
+        keep = v >= np.partition(v, len(v) - n)[len(v) - n]
+        cand, v = cand[keep], v[keep]
+    return cand[np.lexsort((cand, -v))[:n]]

@@ -316,7 +316,7 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     if logprobs is not None and getattr(model, "head", "logits") != "logits":
         raise APIError(400, "logprobs: this bundle's head returns only the chosen token (published layout)",
                        param=lp_param)
-    sampling["logprobs"] = logprobs or 0
+    sampling["logprobs"] = logprobs
     try:
         SamplingParams.from_generation_config(model.generation, **sampling)
     except SamplingError as e:

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .tokenizer_files import write_tokenizer_files
@@ -131,6 +132,29 @@ def _write_shards(state: dict, out: Path, shards: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+                     "do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+
+@contextmanager
+def checkpoint_dir(out: Path, vocab_size: int):
+    """Yield a hidden sibling of OUT to fill with weights and config.json; then add the generation
+    config and tokenizer files and rename it into place. A failure leaves no OUT."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+        write_tokenizer_files(tmp, vocab_size)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_tiny(out: str | os.PathLike, preset: str = "e2b-mini", seed: int = 0, dtype: str = "fp32",
                shards: int = 1, force: bool = False) -> Path:
     """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path."""
@@ -144,22 +168,10 @@ def write_tiny(out: str | os.PathLike, preset: str = "e2b-mini", seed: int = 0, 
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists (use --force to replace it)")
     model = build_model(preset, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with checkpoint_dir(out, text_config(preset)["vocab_size"]) as tmp:
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         state = {k: v.detach().to(torch_dtype) for k, v in model.state_dict().items() if k != "lm_head.weight"}
         _write_shards(state, tmp, shards)
         model.config.dtype = "bfloat16" if dtype == "bf16" else "float32"
         model.config.save_pretrained(tmp)
-        gen = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
-               "do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        write_tokenizer_files(tmp, text_config(preset)["vocab_size"])
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

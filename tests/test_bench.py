@@ -32,3 +32,100 @@ def test_host_overhead_quick():
 def test_server_load_quick():
     out = run("server_load.py")
     assert "| 20/20 |" in out and "p99 latency" in out
+
+
+# -- the full-size pipeline at toy widths: checkpoint -> convert -> cost model -> executor vs HF ----
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def script(name, *args, check=True):
+    r = subprocess.run([sys.executable, str(BENCH / name), *map(str, args)], capture_output=True, text=True,
+                       timeout=900)
+    if check:
+        assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def quick_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "ckpt"
+    script("make_full_checkpoint.py", out, "--quick")
+    return out
+
+
+@pytest.fixture(scope="module")
+def quick_bundle(quick_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "bundle4"
+    r = script("convert_full.py", quick_ckpt, out, "--quick", "--no-record")
+    return out, r
+
+
+def test_full_checkpoint_layout_is_what_transformers_loads(quick_ckpt):
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    index = json.loads((quick_ckpt / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((quick_ckpt / s).is_file() for s in shards)
+    assert all(k.startswith("model.language_model.") for k in index["weight_map"])
+    model, info = Gemma4ForConditionalGeneration.from_pretrained(quick_ckpt, dtype=torch.bfloat16,
+                                                                 output_loading_info=True)
+    assert not [k for k in info["missing_keys"] if "language_model" in k], info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    lm = model.model.language_model
+    # realistic scales: norms around 1, projections with std in 0.02-0.05, layer scalars below 1
+    norm = lm.layers[0].input_layernorm.weight.float()
+    assert 0.75 < norm.min() and norm.max() < 1.25
+    std = lm.layers[1].mlp.up_proj.weight.float().std().item()
+    assert 0.02 <= std <= 0.05, std
+    assert all(0.25 < float(layer.layer_scalar) < 1.0 for layer in lm.layers)
+
+
+def test_bf16_rounding_matches_torch():
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from make_full_checkpoint import bf16_bytes
+
+    x = np.random.default_rng(0).standard_normal(100000).astype(np.float32) * 0.03
+    x[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 65504.0]  # ties to even, both ways
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    assert bf16_bytes(x) == want
+
+
+def test_convert_full_quick(quick_bundle):
+    out, r = quick_bundle
+    assert "| convert |" in r.stdout and "peak RSS" in r.stdout
+    # the converter's own progress bar only: no coremltools pass-pipeline bars
+    assert "Running MIL" not in r.stderr and "Converting PyTorch" not in r.stderr, r.stderr[-500:]
+    assert (out / "manifest.json").is_file()
+
+
+def test_cost_model_quick(quick_bundle):
+    out, _ = quick_bundle
+    report = json.loads(subprocess.run([sys.executable, "-m", "gemma_ane.cli", "inspect", str(out), "--json"],
+                                       capture_output=True, text=True).stdout)
+    model = json.loads(script("cost_model.py", out, "--json").stdout)
+    infer = [c["functions"]["infer"] for c in report["chunks"]]
+    assert model["decode"]["weight_bytes"] == sum(f["weight_bytes"] for f in infer)
+    assert model["decode"]["macs"] == sum(f["macs_per_token"] for f in infer)
+    static, ideal = model["decode"]["kv_static"], model["decode"]["kv_ideal"]
+    assert static["256"] == static["2048"] and ideal["256"] < ideal["2048"] <= static["2048"]
+    table = script("cost_model.py", out, "--no-record").stdout
+    assert "upper bounds" in table and "A19 Pro" in table and "33.4 tok/s" in table
+
+
+def test_executor_vs_transformers_quick(quick_ckpt, quick_bundle):
+    out, _ = quick_bundle
+    r = script("executor_vs_transformers.py", quick_ckpt, "--bundle4", out, "--quick")
+    assert "| executor, 4-bit bundle |" in r.stdout and "| transformers bf16 |" in r.stdout
+    assert "executor 4-bit decode / transformers bf16 decode" in r.stdout
+
+
+def test_ane_bench_says_it_needs_macos():
+    r = script("ane.py", "some-bundle", check=False)
+    assert r.returncode == 2 and "needs macOS" in r.stderr and r.stdout == ""

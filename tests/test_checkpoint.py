@@ -1,7 +1,6 @@
 """Checkpoint: lazy, text-only, exact reading of HF Gemma 4 safetensors, and one-line errors."""
 
 import json
-import mmap
 import struct
 from pathlib import Path
 
@@ -137,16 +136,14 @@ def test_building_every_chunk_touches_text_tensors_only(fixture, request, monkey
                           for k, e in h.items() if k.startswith(TOWERS)]
     assert sum(map(len, tower_bytes.values())) > 50  # the fixture does carry towers to avoid
 
-    reads = []  # (mmap, first byte, end byte) of every array handed out
-    real_frombuffer = np.frombuffer
+    reads = []  # (shard, first byte, end byte) of every read
+    real_read = ckpt._read
 
-    def spy(buf, dtype=float, count=-1, offset=0, **kw):
-        arr = real_frombuffer(buf, dtype=dtype, count=count, offset=offset, **kw)
-        if isinstance(buf, mmap.mmap):
-            reads.append((buf, offset, offset + arr.nbytes))
-        return arr
+    def spy(path, offset, nbytes):
+        reads.append((path, offset, offset + nbytes))
+        return real_read(path, offset, nbytes)
 
-    monkeypatch.setattr(np, "frombuffer", spy)
+    monkeypatch.setattr(ckpt, "_read", spy)
     plan = ChunkPlan.build(ckpt.spec, context=64)
     models = build_chunks(plan, ckpt)
     monkeypatch.undo()
@@ -156,10 +153,8 @@ def test_building_every_chunk_touches_text_tensors_only(fixture, request, monkey
     assert not touched, touched
     # Everything but the PLE table, which the host looks up outside the chunks.
     assert set(ckpt.expected()) - {"embed_tokens_per_layer.weight"} <= {k[len(LM):] for k in ckpt.entries.seen}
-    path_of = {id(m): p for p, m in ckpt._maps.items()}
     assert len(reads) >= len(ckpt.expected()) - 1
-    for buf, lo, hi in reads:
-        path = path_of[id(buf)]
+    for path, lo, hi in reads:
         hits = [r for r in tower_bytes[path] if lo < r[1] and r[0] < hi]
         assert not hits, f"{path.name}: read bytes [{lo}, {hi}) overlap a tower tensor"
     # The instrument itself must see a tower lookup, or the assertions above prove nothing.
@@ -434,11 +429,11 @@ def test_constructor_and_validate_read_headers_only(tiny_bf16_sharded, copy_ckpt
     def tracked_open(path, mode="r", *a, **kw):
         return Tracked(real_open(path, mode, *a, **kw), str(path))
 
-    def no_mmap(*a, **kw):
-        raise AssertionError("tensor data mapped before any tensor was asked for")
+    def no_read(*a, **kw):
+        raise AssertionError("tensor data read before any tensor was asked for")
 
     monkeypatch.setattr(checkpoint_module, "open", tracked_open, raising=False)
-    monkeypatch.setattr(mmap, "mmap", no_mmap)
+    monkeypatch.setattr(Checkpoint, "_read", no_read)
     ckpt = Checkpoint(root)
     ckpt.validate()
     assert furthest.keys() == header_end.keys()

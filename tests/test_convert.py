@@ -321,14 +321,13 @@ def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_
 
     from gemma_ane import convert as convert_mod
     from gemma_ane.checkpoint import Checkpoint
-    from gemma_ane.graph import ChunkModel, load_weights
+    from gemma_ane.graph import load_chunk
 
     # chunk_2 is the largest multifunction chunk of the tiny model
     chunk = plan.chunks[1]
     ckpt = Checkpoint(tiny_e2b)
     try:
-        with torch.no_grad():
-            model = load_weights(ChunkModel(plan, chunk), ckpt, torch.float32)
+        model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)  # as convert() does
         mlmodel = convert_mod.convert_function(model, chunk, "infer", ConvertOptions(context=CONTEXT, bits=4), {},
                                                convert_mod.StageTimer())
     finally:
@@ -352,12 +351,12 @@ def test_convert_function_works_on_its_own(plan, tiny_e2b, tmp_path):
 import torch
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
-from gemma_ane.graph import ChunkModel, load_weights
+from gemma_ane.graph import load_chunk
 from gemma_ane.spec import ChunkPlan
 ckpt = Checkpoint({str(tiny_e2b)!r})
 plan = ChunkPlan.build(ckpt.spec, {CONTEXT})
 chunk = plan.chunks[2]
-model = load_weights(ChunkModel(plan, chunk), ckpt, torch.float32)
+model = load_chunk(plan, chunk, ckpt, torch.float32)
 convert_function(model, chunk, "infer", ConvertOptions(context={CONTEXT}, bits=16), {{}}, StageTimer())
 print("OK")
 """
@@ -776,18 +775,21 @@ def assert_one_line_error(err: str, *needles):
 
 @pytest.fixture
 def edited_ckpt(tiny_e2b, tmp_path):
-    def make(edit_config=None, drop_tensor=None) -> Path:
+    def make(edit_config=None, drop_tensor=None, edit_tensor=None) -> Path:
         dst = tmp_path / "src"
         shutil.copytree(tiny_e2b, dst)
         if edit_config:
             cfg = json.loads((dst / "config.json").read_text())
             edit_config(cfg["text_config"])
             (dst / "config.json").write_text(json.dumps(cfg))
-        if drop_tensor:
+        if drop_tensor or edit_tensor:
             from safetensors.numpy import load_file, save_file
 
             tensors = load_file(dst / "model.safetensors")
-            del tensors[drop_tensor]
+            if drop_tensor:
+                del tensors[drop_tensor]
+            if edit_tensor:
+                edit_tensor(tensors)
             save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
         return dst
     return make
@@ -833,6 +835,20 @@ def test_missing_tensor(capsys, edited_ckpt, tmp_path):
     rc, stdout, err = _convert_cli(capsys, src, out)
     assert rc == 2 and stdout == ""
     assert_one_line_error(err, name)
+    assert not out.exists() and _partials(tmp_path, "out") == []
+
+
+def test_weight_beyond_fp16(capsys, edited_ckpt, tmp_path):
+    name = "layers.3.self_attn.o_proj.weight"
+
+    def blow_up(tensors):
+        tensors[LM + name][0, 0] = 1e6
+
+    src = edited_ckpt(edit_tensor=blow_up)
+    out = tmp_path / "out"
+    rc, stdout, err = _convert_cli(capsys, src, out)
+    assert rc == 2 and "wrote" not in stdout
+    assert_one_line_error(err, name, "float16")
     assert not out.exists() and _partials(tmp_path, "out") == []
 
 

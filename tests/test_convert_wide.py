@@ -7,7 +7,7 @@ import torch
 
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
-from gemma_ane.graph import ChunkModel, load_weights
+from gemma_ane.graph import load_chunk
 from gemma_ane.mil import MILModel, Package
 from gemma_ane.spec import ChunkPlan
 
@@ -25,7 +25,7 @@ def test_full_width_chunk_converts_and_runs(wide, tmp_path):
     chunk = plan.chunks[1]  # cache owners of both types plus a KV-shared, double-wide layer
     assert chunk.states["kv_cache_sliding"].shape == (2, 1, 512, 512)  # layer 2 (layer 4 reads it)
     assert chunk.states["kv_cache_full"].shape == (2, 1, 2048, 512)  # layer 3
-    model = load_weights(ChunkModel(plan, chunk), ckpt)
+    model = load_chunk(plan, chunk, ckpt)
     ml = convert_function(model, chunk, "infer", ConvertOptions(bits=4), {}, StageTimer())
     path = tmp_path / "chunk_2.mlpackage"
     ml.save(str(path))

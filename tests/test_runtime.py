@@ -167,7 +167,7 @@ FLAT = dict(prompt="12", raw=True)
 def test_same_seed_same_tokens_different_seed_different_tokens(model):
     kw = dict(raw=True, temperature=1.5, top_k=0, top_p=1.0, max_tokens=20)
     model.reset()
-    x = model.engine.feed(model.prompt_ids(FLAT["prompt"], raw=True))[-1] / 1.5
+    x = np.asarray(model.engine.feed(model.prompt_ids(FLAT["prompt"], raw=True))[-1], np.float32) / 1.5
     p = np.exp(x - x.max())
     p /= p.sum()
     assert (p ** 2).sum() < 0.05, "precondition: the first draw alone collides with probability < 5 %"
@@ -210,9 +210,11 @@ def test_logprobs_are_the_log_softmax_of_the_step_logits(model):
     assert not_argmax > 0, "precondition: the draw left the argmax at least once"
 
 
-def test_no_top_logprobs_unless_asked(model):
+def test_logprobs_only_when_asked(model):
     r = model.generate("Hello world", raw=True, temperature=0, max_tokens=3)
-    assert r.top_logprobs == [[], [], []] and len(r.logprobs) == 3
+    assert r.logprobs == [None] * 3 and r.top_logprobs == [[], [], []]
+    r = model.generate("Hello world", raw=True, temperature=0, max_tokens=3, logprobs=0)
+    assert all(isinstance(v, float) and v <= 0 for v in r.logprobs) and r.top_logprobs == [[], [], []]
 
 
 @pytest.mark.parametrize("name,value", [

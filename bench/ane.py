@@ -1,0 +1,143 @@
+"""On a Mac: the bundle on the Neural Engine through Core ML: load, prompt, decode, memory, a soak.
+
+    python bench/ane.py BUNDLE [--compute-units cpu_and_ne] [--soak 3000]
+
+macOS only (Core ML prediction does not exist elsewhere); on Linux it says so and exits 2.
+Method:
+- load: `gemma_ane.load(BUNDLE, backend="coreml")` twice in this process. The first load of a
+  .mlpackage compiles it (Core ML caches the result), the second reads the cache;
+- time to first token and prompt tok/s for every prompt path the bundle has (token-by-token
+  `infer`, `prefill_b8`, KV-only `prefill_kv_b*`), on the same 256-token prompt from an empty cache;
+- decode tok/s at context 256, 1024 and 2000: fill the cache to that position, time 64 steps;
+- phys_footprint (what iOS's memory limit counts) after loading and after decoding, read with
+  proc_pid_rusage;
+- soak: --soak decode steps (default 3000; coremltools#2716 reports crashes and drift in long
+  stateful runs). The cache is reset whenever it fills, and every segment replays the same prompt
+  and greedy steps, so any logits difference between segments is drift; an exception is a crash.
+Appends the table to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish  # noqa: E402
+
+
+def phys_footprint() -> int:
+    """ri_phys_footprint of this process (bytes), via libproc's proc_pid_rusage(RUSAGE_INFO_V2)."""
+    class RUsageInfoV2(ctypes.Structure):
+        _fields_ = [("ri_uuid", ctypes.c_uint8 * 16)] + [(n, ctypes.c_uint64) for n in (
+            "user_time", "system_time", "pkg_idle_wkups", "interrupt_wkups", "pageins", "wired_size",
+            "resident_size", "phys_footprint", "proc_start_abstime", "proc_exit_abstime", "child_user_time",
+            "child_system_time", "child_pkg_idle_wkups", "child_interrupt_wkups", "child_pageins",
+            "child_elapsed_abstime", "diskio_bytesread", "diskio_byteswritten")]
+
+    info = RUsageInfoV2()
+    libproc = ctypes.CDLL("/usr/lib/libproc.dylib")
+    if libproc.proc_pid_rusage(os.getpid(), 2, ctypes.byref(info)) != 0:
+        return 0
+    return int(info.phys_footprint)
+
+
+def timed_prompt(engine, ids, paths) -> float:
+    """Seconds to process ids from an empty cache with only the given prompt functions."""
+    saved = engine.prefill_batch, engine.kv_batches
+    engine.prefill_batch, engine.kv_batches = paths
+    try:
+        engine.reset()
+        t = time.perf_counter()
+        engine.feed(ids)
+        return time.perf_counter() - t
+    finally:
+        engine.prefill_batch, engine.kv_batches = saved
+
+
+def decode_rate(engine, position: int, steps: int, rng) -> float:
+    engine.reset()
+    logits = engine.feed(rng.integers(1000, 100000, position))[-1]
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = engine.feed([int(np.argmax(logits))])[-1]
+    return steps / (time.perf_counter() - t)
+
+
+def soak(engine, steps: int, prompt) -> tuple[int, float, str]:
+    """(steps done, max |logits difference| between segments, error or '')."""
+    reference, done, drift = [], 0, 0.0
+    try:
+        while done < steps:
+            engine.reset()
+            logits = engine.feed(prompt)[-1]
+            for i in range(engine.context - len(prompt)):
+                if done >= steps:
+                    break
+                if i < len(reference):
+                    drift = max(drift, float(np.max(np.abs(np.asarray(logits, np.float32) - reference[i]))))
+                elif i < 256:
+                    reference.append(np.asarray(logits, np.float32))
+                logits = engine.feed([int(np.argmax(logits))])[-1]
+                done += 1
+    except Exception as e:  # a crash is the finding, not the end of the report
+        return done, drift, f"{type(e).__name__}: {e}"
+    return done, drift, ""
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", nargs="?")
+    p.add_argument("--compute-units", default="cpu_and_ne")
+    p.add_argument("--soak", type=int, default=3000)
+    p.add_argument("--no-record", action="store_true")
+    a = p.parse_args(argv)
+    if platform.system() != "Darwin":
+        print(f"bench/ane.py needs macOS: Core ML prediction (and the Neural Engine) does not exist on "
+              f"{platform.system()}. Run it on a Mac with the bundle; on this machine use bench/executor_vs_transformers.py.",
+              file=sys.stderr)
+        sys.exit(2)
+    if not a.bundle:
+        p.error("BUNDLE is required")
+    import gemma_ane
+
+    t = time.perf_counter()
+    gemma_ane.load(a.bundle, backend="coreml", compute_units=a.compute_units)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    model = gemma_ane.load(a.bundle, backend="coreml", compute_units=a.compute_units)
+    cached = time.perf_counter() - t
+    engine = model.engine
+    foot_loaded = phys_footprint()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1000, 100000, 256)
+    paths = {"infer": (None, ())}
+    if engine.prefill_batch:
+        paths[f"prefill_b{engine.prefill_batch}"] = (engine.prefill_batch, ())
+    for T in engine.kv_batches:
+        paths[f"prefill_kv_b{T} (+ smaller)"] = (None, tuple(b for b in engine.kv_batches if b <= T))
+    lines = [f"Bundle `{a.bundle}`, compute units {a.compute_units}.", "",
+             f"- load: {first:.1f} s first (compiles), {cached:.1f} s cached", "",
+             "| prompt path (256 tokens) | time to first token | prompt tok/s |", "|---|---:|---:|"]
+    for name, spec in paths.items():
+        s = timed_prompt(engine, prompt, spec)
+        lines.append(f"| {name} | {s:.2f} s | {len(prompt) / s:.1f} |")
+    lines += ["", "| context | decode tok/s |", "|---:|---:|"]
+    for n in (256, 1024, 2000):
+        lines.append(f"| {n} | {decode_rate(engine, n, 64, rng):.1f} |")
+    done, drift, error = soak(engine, a.soak, prompt[:32])
+    lines += ["", f"- phys_footprint: {foot_loaded / 2**20:.0f} MB after load, {phys_footprint() / 2**20:.0f} MB after the runs",
+              f"- soak: {done}/{a.soak} steps, max logits drift between segments {drift:.3g}"
+              + (f", CRASHED: {error}" if error else "")]
+    publish("Neural Engine (Core ML)", "\n".join(lines), a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The cost of converting the full-size checkpoint, and the bundle's sizes against the published ones.
+
+    python bench/make_full_checkpoint.py /work/full/e2b-random
+    python bench/convert_full.py /work/full/e2b-random /work/full/bundle4          # ~25 min on 2 cores
+    python bench/convert_full.py CKPT OUT --quick                                 # tiny checkpoint, for CI
+
+Runs `gemma-ane convert CKPT OUT --bits 4 --stats ...` as a child process and records:
+- wall time per stage (load, trace, convert, palettize, merge, sidecars) and in total;
+- peak resident memory per stage: the converter's own VmHWM, reset at each stage entry, so exact
+  rather than sampled (the converter runs in one process, so the maximum over stages is the peak
+  of the whole run; the reset also resets the child's ru_maxrss, which is used only without stats);
+- every file of the bundle against SPEC §2's published sizes: chunks within 5 %, sidecars exact.
+Targets on 2 cores / 24 GiB: <= 15 min, peak RSS <= 10 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish  # noqa: E402
+
+GiB = 2**30
+# SPEC §2: the published 4-bit E2B build.
+PUBLISHED_CHUNKS = {"chunk_1": 155e6, "chunk_2": 459e6, "chunk_3": 527e6}
+PUBLISHED_SIDECARS = {
+    "embed_tokens_q8.bin": 262144 * 1536,
+    "embed_tokens_scales.bin": 262144 * 2,
+    "embed_tokens_per_layer_q8.bin": 262144 * 8960,
+    "embed_tokens_per_layer_scales.bin": 262144 * 2,
+    "per_layer_projection.bin": 8960 * 1536 * 2,
+    "per_layer_norm_weight.bin": 256 * 2,
+    # npy v1.0 with a 128-byte header; the published tables have 8192 rows
+    "cos_sliding.npy": 128 + 8192 * 256 * 2, "sin_sliding.npy": 128 + 8192 * 256 * 2,
+    "cos_full.npy": 128 + 8192 * 512 * 2, "sin_full.npy": 128 + 8192 * 512 * 2,
+}
+WHY = {
+    "cos_sliding.npy": "we store max(context, 4096) rows, not 8192: rows past the context are never read",
+    "sin_sliding.npy": "as cos_sliding.npy",
+    "cos_full.npy": "as cos_sliding.npy",
+    "sin_full.npy": "as cos_sliding.npy",
+}
+
+
+def tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def run_convert(ckpt: str, out: str, bits: int, stats: Path) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes of the process tree, exit code)."""
+    cmd = [sys.executable, "-m", "gemma_ane.cli", "convert", ckpt, out, "--bits", str(bits), "--force",
+           "--quiet", "--stats", str(stats)]
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - t0, usage.ru_maxrss * 1024, proc.returncode
+
+
+def size_table(out: Path) -> tuple[str, list[str]]:
+    rows, misses = ["| file | ours | published | difference |", "|---|---:|---:|---|"], []
+    for name, want in PUBLISHED_CHUNKS.items():
+        path = next(out.glob(f"{name}.mlmodelc"), None) or out / f"{name}.mlpackage"
+        got = tree_size(path) if path.exists() else 0
+        delta = got / want - 1
+        ok = abs(delta) <= 0.05
+        rows.append(f"| {path.name} | {got / 1e6:.1f} MB | {want / 1e6:.0f} MB | {delta:+.1%} {'(within 5 %)' if ok else 'MISSED'} |")
+        if not ok:
+            misses.append(f"{name} {delta:+.1%}")
+    for name, want in PUBLISHED_SIDECARS.items():
+        got = (out / name).stat().st_size if (out / name).exists() else 0
+        note = "byte-exact" if got == want else f"{got - want:+,} B: {WHY.get(name, 'UNEXPLAINED')}"
+        rows.append(f"| {name} | {got:,} B | {want:,} B | {note} |")
+        if got != want and name not in WHY:
+            misses.append(name)
+    return "\n".join(rows), misses
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="a tiny checkpoint: skip the size comparison")
+    p.add_argument("--no-record", action="store_true")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        stats_path = Path(tmp) / "stats.json"
+        wall, tree_peak, rc = run_convert(a.ckpt, a.out, a.bits, stats_path)
+        if rc != 0:
+            sys.exit(f"error: gemma-ane convert exited with {rc}")
+        stats = json.loads(stats_path.read_text())
+    peak = max(stats["peak_rss_bytes"].values(), default=0) or tree_peak
+    minutes, peak_gib = wall / 60, peak / GiB
+    lines = [f"`gemma-ane convert {a.ckpt} OUT --bits {a.bits}`: **{minutes:.1f} min** wall, "
+             f"peak RSS **{peak_gib:.2f} GiB**", "",
+             "| stage | seconds | share | peak RSS |", "|---|---:|---:|---:|"]
+    total = sum(stats["seconds"].values())
+    for stage, sec in sorted(stats["seconds"].items(), key=lambda kv: -kv[1]):
+        peak = stats["peak_rss_bytes"].get(stage)
+        lines.append(f"| {stage} | {sec:.1f} | {sec / total:.0%} | {peak / GiB:.2f} GiB |" if peak else
+                     f"| {stage} | {sec:.1f} | {sec / total:.0%} | - |")
+    if not a.quick:
+        lines += ["", f"- target <= 15 min: {'met' if minutes <= 15 else f'missed by {minutes - 15:.1f} min ({minutes / 15 - 1:.0%})'}",
+                  f"- target <= 10 GiB: {'met' if peak_gib <= 10 else f'missed by {peak_gib - 10:.2f} GiB'}"]
+        table, misses = size_table(Path(a.out))
+        lines += ["", "Sizes against the published 4-bit build (SPEC §2):", "", table]
+        if misses:
+            lines += ["", "Outside the bounds: " + ", ".join(misses)]
+    publish("full-size conversion", "\n".join(lines), a)
+
+
+if __name__ == "__main__":
+    main()
