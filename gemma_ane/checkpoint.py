@@ -165,6 +165,9 @@ class Checkpoint:
             if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[entry["dtype"]]).itemsize:
                 raise CheckpointError(f"{path.name}: tensor {full} has data_offsets inconsistent with its shape and dtype")
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[self.prefix + name][1]["shape"])
+
     def dtype_of(self, name: str) -> str:
         return self.entries[self.prefix + name][1]["dtype"]
 

@@ -10,6 +10,7 @@ renamed into place at the end, so a failed run leaves no OUT.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -185,10 +186,8 @@ def _lean_fp16_overflow():
         FP16ComputePrecision.fp16_overflow = original
 
 
-def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer,
-                     skipped: set | None = None, package_dir: Path | None = None):
-    """Trace one function of one chunk and return it as an MLModel; with `package_dir` the package
-    is written there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
+def trace_function(model, chunk, function: str, timer):
+    """Trace one function of one chunk into an fp16 MIL program (states, SPEC §3 I/O names)."""
     import coremltools as ct
     import torch
 
@@ -203,14 +202,21 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
               for n, t in chunk.states.items()]
     with timer("convert"), _quiet_coremltools(), _lean_fp16_overflow():
-        prog = ct.convert(
+        return ct.convert(
             traced, inputs=_tensor_types(io["inputs"]),
             outputs=[ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
                      for n, t in io["outputs"].items()],
             states=states or None, minimum_deployment_target=ct.target.iOS18,
             compute_precision=ct.precision.FLOAT16, convert_to="milinternal",
         )
-    del traced
+
+
+def finish_function(prog, options: ConvertOptions, lut_cache: dict, timer, skipped: set | None = None,
+                    package_dir: Path | None = None):
+    """Palettize a traced program and serialise it; with `package_dir` the package is written
+    there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
+    import coremltools as ct
+
     if options.bits != 16:
         with timer("palettize"):
             _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(prog)
@@ -220,6 +226,13 @@ def convert_function(model, chunk, function: str, options: ConvertOptions, lut_c
         return ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                           pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True,
                           package_dir=str(package_dir) if package_dir else None)
+
+
+def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer,
+                     skipped: set | None = None, package_dir: Path | None = None):
+    """Trace, palettize and serialise one function of one chunk; returns the MLModel."""
+    return finish_function(trace_function(model, chunk, function, timer), options, lut_cache, timer, skipped,
+                           package_dir)
 
 
 def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -> None:
@@ -498,14 +511,22 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
                 except ValueError as e:
                     raise ConvertError(f"{root}: {e}") from None
             lut_cache, paths = {}, {}
-            for function in chunk.functions:
+            for i, function in enumerate(chunk.functions):
                 bar.set_postfix_str(f"{chunk.name}.{function}")
                 paths[function] = work / f"{chunk.name}.{function}.mlpackage"
-                convert_function(model, chunk, function, options, lut_cache, timer, skipped, paths[function])
+                prog = trace_function(model, chunk, function, timer)
+                if i == len(chunk.functions) - 1:
+                    # The program's fp16 weights are its own now; the fp32 chunk (~4 GB for
+                    # chunk_3 at E2B size) would otherwise sit beside palettization's buffers.
+                    del model
+                    gc.collect()
+                finish_function(prog, options, lut_cache, timer, skipped, paths[function])
+                del prog
                 bar.update(1)
                 if _fail_after == f"{chunk.name}.{function}":
                     raise RuntimeError(f"injected failure after {chunk.name}.{function}")
-            del model, lut_cache
+            del lut_cache
+            gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
             with timer("merge"), _quiet_coremltools():
                 package = tmp / f"{chunk.name}.mlpackage"
                 merge_functions(paths, package)

@@ -160,9 +160,9 @@ class ChunkModel(nn.Module):
         Sliding heads are zero-padded to the state width: one state holds both head sizes."""
         name, row = self.chunk.slot(layer)
         cache = getattr(self, name)
-        # D from the spec, not k.shape: the tracer records shapes as tensors, and a branch on one
-        # would be baked in with a warning
-        T, D, width = k.shape[2], self.spec.head_dims[layer], cache.shape[-1]
+        # D and width from the plan, not from tensor shapes: the tracer records shapes as tensors,
+        # and a branch on one would be baked in with a warning
+        T, D, width = k.shape[2], self.spec.head_dims[layer], self.chunk.states[name].shape[-1]
         if D < width:
             pad = torch.zeros(1, k.shape[1], T, width - D, dtype=k.dtype)
             k, v = torch.cat([k, pad], dim=-1), torch.cat([v, pad], dim=-1)
@@ -257,9 +257,15 @@ def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_ra
             if name in chunk.states:
                 continue
             src = "embed_tokens.weight" if name == "lm_head.weight" else name
-            value.copy_(torch.from_numpy(ckpt[src].reshape(value.shape)))
-            if not torch.isfinite(value).all() or (fp16_range and value.abs().max() > 65504):
-                raise ValueError(f"{src}: values beyond the float16 range")
+            shape = ckpt.shape_of(src)
+            n = shape[0] if len(shape) >= 2 else 1
+            rows = value.reshape(n, -1)
+            for start in range(0, n, 16384):  # the LM head is 1.6 GB in fp32: in blocks of rows
+                block = torch.from_numpy(ckpt.rows(src, start, start + 16384) if n > 1 else ckpt[src])
+                block = block.reshape(-1, rows.shape[1])
+                if not torch.isfinite(block).all() or (fp16_range and block.abs().max() > 65504):
+                    raise ValueError(f"{src}: values beyond the float16 range")
+                rows[start:start + len(block)] = block
         for m in model.modules():  # non-persistent buffers are not in the checkpoint
             if isinstance(m, RMSNorm):
                 m.sqrt_eps.fill_(m.eps**0.5)

@@ -56,7 +56,10 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
         raise ValueError(f"{out} output channels are not divisible by group_size {group_size}")
     # Groups are independent: run them in blocks so the [groups, codes] prefix tables stay within
     # `block_bins` entries (the LM head has 8192 groups; all at once would need ~6 GB).
-    present = np.bincount(_KEY_NP[w16.view(np.uint16)].reshape(-1), minlength=_CODES) > 0
+    present = np.zeros(_CODES, bool)
+    for r in range(0, out, max(1, (1 << 22) // cols)):  # in blocks: key arrays of the LM head are GBs
+        present |= np.bincount(_KEY_NP[w16[r:r + max(1, (1 << 22) // cols)].view(np.uint16)].reshape(-1),
+                               minlength=_CODES) > 0
     per_block = max(1, block_bins // int(present.sum())) * group_size
     if out > per_block:
         parts = [_kmeans_block(w16[r:r + per_block], nbits, group_size, max_iter) for r in range(0, out, per_block)]

@@ -927,3 +927,27 @@ def test_cli_verify_bundle_json(bundle16, tiny_e2b, capsys):
     assert report["top1_agreement"] == 1.0 and report["min_cosine"] >= 0.9999 and report["passed"] is True
     # the issue: "The output has the same JSON fields as the graph mode"
     assert set(report) == set(graph), (sorted(set(graph) - set(report)), sorted(set(report) - set(graph)))
+
+
+def test_palettized_weights_are_decompressed_once_per_package_and_not_kept_dense(tiny_bundle4, monkeypatch):
+    """At E2B size every dense copy is gigabytes: a weight shared by the package's functions is
+    decompressed once, widened to fp32 once, and its fp16 dense form is not kept."""
+    from gemma_ane import mil
+    from gemma_ane.bundle import MILChunk
+
+    calls = []
+    real = mil.OPS["constexpr_lut_to_dense"]
+    monkeypatch.setitem(mil.OPS, "constexpr_lut_to_dense", lambda **kw: calls.append(1) or real(**kw))
+    chunk = MILChunk(tiny_bundle4 / "chunk_2.mlpackage")
+    models = list(chunk.models.values())
+    assert len(models) >= 3
+    shared = models[0]._weights
+    assert all(m._weights is shared for m in models)
+    program = chunk.models["infer"].package.program()
+    linear_weights = {(op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
+                      for fn in program.functions.values() for op in fn.operations
+                      if op.op_type == "linear" and op.inputs["weight"].op.op_type == "constexpr_lut_to_dense"}
+    assert linear_weights and set(shared) >= linear_weights
+    assert len(calls) == len(linear_weights)  # not once per function
+    dense = [c for m in models for c in m._consts if isinstance(c, np.ndarray) and c.ndim == 2 and c.size >= 2048]
+    assert dense == []
