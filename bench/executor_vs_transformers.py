@@ -37,7 +37,7 @@ GiB = 2**30
 
 def prompt_ids(vocab: int, n: int) -> list[int]:
     rng = np.random.default_rng(0)
-    return [2] + rng.integers(1000, min(vocab, 200000), n - 1).tolist()  # <bos> + ordinary tokens
+    return [2] + rng.integers(min(1000, vocab // 2), min(vocab, 200000), n - 1).tolist()  # <bos> + ordinary tokens
 
 
 def run_executor(bundle: str, n_prompt: int, n_decode: int) -> dict:
