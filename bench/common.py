@@ -56,3 +56,13 @@ def publish(title: str, body: str, args) -> None:
     print(body)
     if not getattr(args, "no_record", False) and not getattr(args, "quick", False):
         record(title, body)
+
+
+def tiny_bundle(tmp: Path, bits: int) -> Path:
+    """An e2b-mini checkpoint converted at context 128: what --quick modes run on."""
+    from gemma_ane.convert import ConvertOptions, convert
+    from gemma_ane.tiny import write_tiny
+
+    write_tiny(tmp / "ckpt", preset="e2b-mini")
+    convert(str(tmp / "ckpt"), str(tmp / "bundle"), ConvertOptions(context=128, bits=bits), progress=False)
+    return tmp / "bundle"

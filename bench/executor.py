@@ -1,7 +1,7 @@
 """Where a MIL-executor decode step spends its time: matmuls (linear + matmul ops) vs the rest.
 
     python bench/executor.py BUNDLE [--steps 20]     # a converted bundle, e.g. of `gemma-ane tiny --preset e2b-wide`
-    python bench/executor.py --quick                 # converts a tiny e2b-mini bundle first
+    python bench/executor.py --quick [BUNDLE]        # a tiny e2b-mini bundle is converted if none is given
 
 Runs decode steps (T=1, all chunks) through the step driver, times every executor op by type, and
 prints the share of matmul time in the whole step. Appends the table to BENCHMARKS.md.
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import record, tiny_bundle  # noqa: E402
 
 from gemma_ane.bundle import open_engine  # noqa: E402
 
@@ -40,15 +40,6 @@ def instrument(engine, seconds: dict):
             model._steps = wrapped
 
 
-def quick_bundle(tmp: Path) -> Path:
-    from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
-
-    write_tiny(tmp / "ckpt", preset="e2b-mini")
-    convert(str(tmp / "ckpt"), str(tmp / "bundle"), ConvertOptions(context=128), progress=False)
-    return tmp / "bundle"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", nargs="?")
@@ -57,7 +48,9 @@ def main(argv=None):
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = quick_bundle(Path(tmp)) if a.quick else Path(a.bundle)
+        if not a.bundle and not a.quick:
+            p.error("give a BUNDLE, or --quick")
+        bundle = Path(a.bundle) if a.bundle else tiny_bundle(Path(tmp), bits=4)
         engine = open_engine(bundle)
         rng = np.random.default_rng(0)
         vocab = engine.host.embed_q.shape[0]
@@ -72,7 +65,7 @@ def main(argv=None):
     mm = sum(v for k, v in seconds.items() if k in MATMUL)
     top = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
     table = "\n".join([
-        f"bundle `{bundle.name if not a.quick else 'e2b-mini (quick)'}`, {a.steps} decode steps (chunk_1 + chunk_2 + chunk_3 each)",
+        f"bundle `{bundle.name if a.bundle else 'e2b-mini (quick)'}`, {a.steps} decode steps (chunk_1 + chunk_2 + chunk_3 each)",
         "",
         f"- step: {1000 * total / a.steps:.1f} ms; inside executor ops: {1000 * ops / a.steps:.1f} ms",
         f"- matmul share of the step: **{mm / total:.1%}** (linear + matmul ops), of op time {mm / ops:.1%}",

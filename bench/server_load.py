@@ -24,16 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
-
-
-def quick_bundle(tmp: Path) -> Path:
-    from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
-
-    write_tiny(tmp / "ckpt", preset="e2b-mini")
-    convert(str(tmp / "ckpt"), str(tmp / "bundle"), ConvertOptions(context=128, bits=16), progress=False)
-    return tmp / "bundle"
+from common import record, tiny_bundle  # noqa: E402
 
 
 def free_port() -> int:
@@ -114,7 +105,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        bundle = Path(a.bundle) if a.bundle else quick_bundle(tmp)
+        bundle = Path(a.bundle) if a.bundle else tiny_bundle(tmp, bits=16)
         backend = "mil" if a.quick and not a.bundle else a.backend
         with open(tmp / "server.log", "wb") as log:
             proc, url = None, None

@@ -6,6 +6,7 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 from pathlib import Path
@@ -130,6 +131,10 @@ class MILChunk:
         weights: dict = {}
         self.models = {f: MILModel(path, f, precision, _package=package, _program=program, _weights=weights)
                        for f in package.function_names}
+        # The loaded program (every function's fp16 weights: GBs at E2B size) is garbage now, but
+        # pymil's ops and vars form reference cycles: collect it before the next chunk loads.
+        del program
+        gc.collect()
         first = next(iter(self.models.values()))
         self.state = first.make_state() if first.interface["states"] else None
 

@@ -19,8 +19,8 @@ def test_palettizer_quick():
     assert "speed-up" in out and "| wide | 512x1536 |" in out
 
 
-def test_executor_profile_quick():
-    out = run("executor.py")
+def test_executor_profile_quick(tiny_bundle4):
+    out = run("executor.py", tiny_bundle4)
     assert "matmul share of the step" in out
 
 
@@ -29,8 +29,8 @@ def test_host_overhead_quick():
     assert "host overhead per token: median" in out and "resident memory" in out
 
 
-def test_server_load_quick():
-    out = run("server_load.py")
+def test_server_load_quick(tiny_bundle16):
+    out = run("server_load.py", tiny_bundle16, "--backend", "mil")
     assert "| 20/20 |" in out and "p99 latency" in out
 
 
