@@ -456,7 +456,7 @@ class MILModel:
             members.setdefault(r, []).append(var.name)
 
         steps, kinds = [], []
-        widened = []  # slots of decompressed weights that the linear steps keep as fp32 copies
+        widened = []  # slots of weights that load consumes (decompressed, widened to fp32): dropped after it
         self.linear_ops = 0
         for i, op in enumerate(ops):
             kind = op.op_type
@@ -485,6 +485,12 @@ class MILModel:
                 val = op.outputs[0].val
                 arr = np.asarray(val)
                 consts[slot(op.outputs[0])] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
+                var = op.outputs[0]
+                if var.child_ops and all(c.op_type.startswith("constexpr_") for c in var.child_ops) \
+                        or _linear_weight_only(var):
+                    # compressed weights and LUTs, or a dense weight: decompressed or widened at
+                    # load (below), never read as such by a step
+                    widened.append(slots[var.name])
                 continue
             if kind not in OPS and kind not in ("read_state", "coreml_update_state", "linear"):
                 raise ExecutionError(f"function {self.function_name!r}: op type {kind!r} is not implemented "

@@ -621,7 +621,7 @@ def test_interrupted_conversion_leaves_no_out_and_keeps_an_old_one(tiny_e2b, tmp
         raise KeyboardInterrupt
 
     # Ctrl-C during the first function: cheap, and KeyboardInterrupt is not an Exception
-    monkeypatch.setattr(convert_mod, "convert_function", interrupted)
+    monkeypatch.setattr(convert_mod, "trace_function", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
