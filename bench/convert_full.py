@@ -9,7 +9,7 @@ Runs `gemma-ane convert CKPT OUT --bits 4 --stats ...` as a child process and re
 - peak resident memory per stage: the converter's own VmHWM, reset at each stage entry, so exact
   rather than sampled (the converter runs in one process, so the maximum over stages is the peak
   of the whole run; the reset also resets the child's ru_maxrss, which is used only without stats);
-- every file of the bundle against SPEC §2's published sizes: chunks within 5 %, sidecars exact.
+- every file of the bundle against CONTRACT §2's published sizes: chunks within 5 %, sidecars exact.
 Targets on 2 cores / 24 GiB: <= 15 min, peak RSS <= 10 GiB.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 
 GiB = 2**30
-# SPEC §2: the published 4-bit E2B build.
+# CONTRACT §2: the published 4-bit E2B build.
 PUBLISHED_CHUNKS = {"chunk_1": 155e6, "chunk_2": 459e6, "chunk_3": 527e6}
 PUBLISHED_SIDECARS = {
     "embed_tokens_q8.bin": 262144 * 1536,
@@ -112,7 +112,7 @@ def main(argv=None):
         lines += ["", f"- target <= 15 min: {'met' if minutes <= 15 else f'missed by {minutes - 15:.1f} min ({minutes / 15 - 1:.0%})'}",
                   f"- target <= 10 GiB: {'met' if peak_gib <= 10 else f'missed by {peak_gib - 10:.2f} GiB'}"]
         table, misses = size_table(Path(a.out))
-        lines += ["", "Sizes against the published 4-bit build (SPEC §2):", "", table]
+        lines += ["", "Sizes against the published 4-bit build (CONTRACT §2):", "", table]
         if misses:
             lines += ["", "Outside the bounds: " + ", ".join(misses)]
     publish("full-size conversion", "\n".join(lines), a)

@@ -30,8 +30,8 @@ from common import publish  # noqa: E402
 # Measured ANE bandwidths (GB/s), from public write-ups; ranges use their midpoint.
 BANDWIDTH = {"A17 Pro": 51, "A18 Pro": 60, "A19 Pro": 77, "M1-M2": 58.5, "M3/M4 base": 66.5, "M4 Pro/Max": 120}
 PUBLISHED = [
-    ("upstream build, iPhone 17 Pro (A19 Pro), ANE", 33.4),
-    ("upstream build, Mac Studio, ANE", 34.6),
+    ("published build, iPhone 17 Pro (A19 Pro), ANE", 33.4),
+    ("published build, Mac Studio, ANE", 34.6),
     ("LiteRT-LM, iPhone 17 Pro, GPU", 56.0),
 ]
 CONTEXTS = (256, 1024, 2048)

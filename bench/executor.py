@@ -28,7 +28,7 @@ MATMUL = {"linear", "matmul"}
 
 def instrument(engine, seconds: dict):
     for chunk in engine.chunks:
-        for model in chunk.models.values():
+        for model in chunk.package.functions.values():
             wrapped = []
             for step, kind in zip(model._steps, model.step_kinds):
                 def timed(*args, step=step, kind=kind):

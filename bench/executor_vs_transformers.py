@@ -44,7 +44,7 @@ def run_executor(bundle: str, n_prompt: int, n_decode: int) -> dict:
     from gemma_ane.bundle import open_engine
 
     t = time.perf_counter()
-    engine = open_engine(bundle)
+    engine = open_engine(bundle, "mil")
     load = time.perf_counter() - t
     vocab = json.loads((Path(bundle) / "model_config.json").read_text())["vocab_size"]
     ids = prompt_ids(vocab, n_prompt)

@@ -59,13 +59,15 @@ def write_sidecars(root: Path, d: dict) -> dict:
 class Instant:
     """A chunk backend that returns precomputed outputs: only the host's work is timed."""
 
-    def __init__(self, outputs):
-        self.outputs = outputs
+    def __init__(self, name, outputs):
+        self.name, self.outputs = name, outputs
+        types = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}
+        self.interfaces = {"infer": {"inputs": {}, "outputs": types, "states": {}}}
 
-    def reset_state(self):
-        pass
+    def make_state(self):
+        return None
 
-    def predict(self, function, inputs):
+    def predict(self, function, inputs, state):
         return self.outputs
 
 
@@ -87,12 +89,12 @@ def main(argv=None):
         rng = np.random.default_rng(1)
         # a peaked, LLM-like distribution: most mass on a few hundred tokens
         logits = (rng.standard_normal(V) * 2.0 + np.where(rng.random(V) < 0.001, 12.0, 0.0)).astype(np.float16)
-        chunks = [Instant({"hidden_states_out": np.zeros((1, 1, H), np.float16),
-                           "per_layer_combined_out": np.zeros((1, 1, PL), np.float16)}),
-                  Instant({"hidden_states_out": np.zeros((1, 1, H), np.float16)}),
-                  Instant({"logits": logits.reshape(1, 1, V)})]
-        engine = Engine(chunks, host, context=d["context"], window=d["window"], prefill_batch=None)
-        engine.logits_dtype = None  # as the runtime: the sampler reads fp16
+        chunks = [Instant("chunk_1", {"hidden_states_out": np.zeros((1, 1, H), np.float16),
+                                      "per_layer_combined_out": np.zeros((1, 1, PL), np.float16)}),
+                  Instant("chunk_2", {"hidden_states_out": np.zeros((1, 1, H), np.float16)}),
+                  Instant("chunk_3", {"logits": logits.reshape(1, 1, V)})]
+        # logits_dtype=None as the runtime: the sampler reads fp16
+        engine = Engine(chunks, host, context=d["context"], window=d["window"], prefill_batch=None, logits_dtype=None)
         sampler = Sampler(SamplingParams(temperature=1.0, top_k=64, top_p=0.95, repetition_penalty=1.1,
                                          presence_penalty=0.5, seed=0), history=rng.integers(0, V, 32))
         token = 0

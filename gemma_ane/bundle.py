@@ -1,4 +1,5 @@
-"""A converted bundle on disk: its manifest check and `gemma-ane inspect`.
+"""A converted bundle on disk: its files and manifest, `gemma-ane inspect`, its sidecars, and
+`open_engine` (the one way a bundle is opened to run: runtime, verify and benchmarks).
 
 Everything here is read from the files themselves (the model descriptions and programs), so it
 describes bundles converted elsewhere too; the manifest is only trusted for sizes and hashes.
@@ -6,15 +7,17 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from .engine import Engine, HostTables
-from .mil import Package, PackageError, macs, read_json, weight_bytes
+from .files import FileFormatError, read_json, sha256_file
+from .host import rope_tables, rotated_pairs
+from .package import Package, macs, weight_bytes
+from .spec import ModelSpec
 
 
 class BundleError(ValueError):
@@ -40,14 +43,6 @@ def chunk_paths(root: Path) -> list[Path]:
     return found
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_manifest(root: Path, sha256: bool = True) -> list[str]:
     """Problems found against manifest.json, one line each (empty: the bundle verifies)."""
     root = Path(root)
@@ -57,7 +52,7 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
     try:
         files = read_json(path)["files"]
         items = list(files.items())
-    except (PackageError, KeyError, TypeError, AttributeError) as e:
+    except (FileFormatError, KeyError, TypeError, AttributeError) as e:
         return [f"{path}: unreadable ({e})"]
     problems = []
     for rel, entry in items:
@@ -116,43 +111,7 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
             "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems}}
 
 
-# -- running a bundle with the MIL executor ------------------------------------------------------
-
-class MILChunk:
-    """The engine's backend protocol over one package: a MILModel per function, one shared state
-    (as Core ML lets `prefill_b8` and `infer` share a cache)."""
-
-    def __init__(self, path: Path, precision: str = "fp16"):
-        from .mil import MILModel
-
-        self.path = Path(path)
-        package = Package.open(path)
-        program = package.program()
-        weights: dict = {}
-        self.models = {f: MILModel(path, f, precision, _package=package, _program=program, _weights=weights)
-                       for f in package.function_names}
-        # The loaded program (every function's fp16 weights: GBs at E2B size) is garbage now, but
-        # pymil's ops and vars form reference cycles: collect it before the next chunk loads.
-        del program
-        gc.collect()
-        first = next(iter(self.models.values()))
-        self.state = first.make_state() if first.interface["states"] else None
-
-    @property
-    def functions(self) -> list[str]:
-        return list(self.models)
-
-    def reset_state(self) -> None:
-        if self.state is not None:
-            self.state.reset()
-
-    def predict(self, function: str, inputs: dict) -> dict:
-        model = self.models.get(function)
-        if model is None:
-            raise BundleError(f"{self.path}: no function {function!r} (has {', '.join(self.models)})")
-        feed = {n: np.asarray(inputs[n]).astype(t["dtype"], copy=False) for n, t in model.interface["inputs"].items()}
-        return model.predict(feed, state=self.state)
-
+# -- the host's tables: int8 sidecars read by row, RoPE tables ---------------------------------
 
 def _check_size(path: Path, dtype, shape) -> None:
     expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -226,21 +185,66 @@ def load_host(root: Path, config: dict) -> HostTables:
     )
 
 
-def open_engine(root: str | Path, precision: str = "fp16") -> Engine:
-    """A step driver over the bundle's chunks, executed by the MIL executor."""
+def _check_rope(root: Path, host: HostTables, context: int, exact: bool) -> None:
+    """The published full-layer tables rotate all pairs, transformers only partial_rotary_factor
+    of them (CONTRACT §4): detect it, warn once, and use tables computed from the config."""
+    cfg_path = root / "hf_model" / "config.json"
+    if not cfg_path.is_file():
+        return
+    spec = ModelSpec.from_pretrained(cfg_path)
+    for layer_type, (cos, sin) in list(host.rope.items()):
+        allowed = spec.rope[layer_type].rotated_pairs
+        if cos.shape[0] < context:
+            raise BundleError(f"{root}: RoPE table for {layer_type} has {cos.shape[0]} rows, fewer than the context {context}")
+        probe = [1, min(1000, cos.shape[0] - 1)]  # row 0 is position 0: nothing rotates there
+        found = rotated_pairs(np.asarray(cos[probe]), np.asarray(sin[probe]))
+        if found > allowed:
+            warnings.warn(f"{root}: {layer_type} RoPE tables rotate {found} pairs but the config allows {allowed} "
+                          f"(partial_rotary_factor); " + ("using exact tables computed from the config" if exact
+                                                          else "using them as they are"), stacklevel=4)
+            if exact:
+                host.rope[layer_type] = rope_tables(spec, context)[layer_type]
+
+
+# -- opening a bundle -----------------------------------------------------------------------------
+
+REQUIRED = ("model_config.json", "embed_tokens_q8.bin", "embed_tokens_scales.bin", "embed_tokens_per_layer_q8.bin",
+            "embed_tokens_per_layer_scales.bin", "hf_model/tokenizer.json")
+
+
+def check_bundle(root: Path, sha256: bool = True) -> list[str]:
+    """Every problem with a bundle, one line each: files missing or damaged."""
+    root = Path(root)
+    problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
+    if (root / "manifest.json").exists():
+        problems += check_manifest(root, sha256)
+    try:
+        chunk_paths(root)
+    except BundleError as e:
+        problems.append(str(e))
+    return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+
+
+def open_engine(root: str | Path, backend: str = "mil", precision: str = "fp16", compute_units: str = "cpu_and_ne",
+                logits_dtype=np.float32, exact_rope: bool = True) -> Engine:
+    """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
+    sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
+    read off the models themselves, so bundles converted elsewhere open too."""
+    from .backend import open_chunks, pick_backend
+
     root = Path(root)
     config = read_json(root / "model_config.json")
-    chunks = [MILChunk(p, precision) for p in chunk_paths(root)]
-    first = chunks[0].models["infer"].interface["inputs"]
-    context = first["causal_mask_full"]["shape"][-1]
-    window = first["causal_mask_sliding"]["shape"][-1]
-    return Engine(chunks, load_host(root, config), context=context, window=window,
-                  **prefill_paths({f: m.interface for f, m in chunks[0].models.items()}))
+    _check_norm_sidecar(root, config)
+    chunks = open_chunks(chunk_paths(root), pick_backend(backend), precision, compute_units)
+    if len(chunks) != 3:
+        raise BundleError(f"{root}: expected chunk_1..chunk_3, found {len(chunks)} chunks")
+    engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype)
+    _check_rope(root, engine.host, engine.context, exact_rope)
+    return engine
 
 
-def prefill_paths(interfaces: dict) -> dict:
-    """The Engine's prompt-path arguments, read off chunk_1's functions."""
-    batches = sorted(int(f[len("prefill_b"):]) for f in interfaces if f.startswith("prefill_b") and f[9:].isdigit())
-    kv = sorted(int(f[len("prefill_kv_b"):]) for f in interfaces if f.startswith("prefill_kv_b"))
-    width = interfaces[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None
-    return {"prefill_batch": batches[-1] if batches else None, "kv_batches": tuple(kv), "kv_ple_width": width}
+def _check_norm_sidecar(root: Path, config: dict) -> None:
+    norm, P = root / "per_layer_norm_weight.bin", config["per_layer_dim"]
+    if norm.is_file() and norm.stat().st_size not in (2 * P, 4 * P):
+        # published builds store it as fp16 or fp32: tell the two apart by size, refuse anything else
+        raise BundleError(f"{norm}: {norm.stat().st_size} bytes, expected {P} fp16 or fp32 values")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-BOS, EOS, THINK, CHANNEL_OPEN, CHANNEL_CLOSE, TURN_OPEN, TURN_CLOSE = 2, 1, 98, 100, 101, 105, 106
+from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN
+
 ROLES = {"system": "system", "user": "user", "assistant": "model", "model": "model"}
 
 
@@ -19,27 +20,50 @@ class ChatError(ValueError):
     """A conversation or template that cannot be rendered; the message says why."""
 
 
-def _content(message: dict) -> str:
-    content = message.get("content") or ""
-    if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
-    if not isinstance(content, str):
-        raise ChatError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
-    return content.strip()
+def _parts(message: dict) -> list[str]:
+    content = message.get("content")
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return [p["text"] for p in content]
+    raise ChatError("message content must be a string or a list of text parts (the built-in formatter is text-only)")
+
+
+def _strip_thinking(text: str) -> str:
+    """The template's strip_thinking: a model turn loses every <|channel>...<channel|> block (an unclosed one
+    runs to the end of its part)."""
+    return "".join(part.split("<|channel>")[0] for part in text.split("<channel|>")).strip()
 
 
 def gemma4_prompt(messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False,
                   bos_token: str = "<bos>") -> str:
-    """The built-in Gemma 4 formatter (SPEC §1), for bundles that carry no template."""
+    """The built-in Gemma 4 formatter, for bundles that carry no template: what google/gemma-4-E2B-it's own
+    chat template renders for a text-only conversation without tools (tests/test_chat.py holds the two equal)."""
+    for m in messages:
+        if m.get("role") not in ROLES:
+            raise ChatError(f"unknown role {m.get('role')!r}: expected system, user, assistant or model")
     out = [bos_token]
-    if enable_thinking and (not messages or messages[0].get("role") != "system"):
-        out.append("<|turn>system\n<|think|>\n<turn|>\n")
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if role not in ROLES:
-            raise ChatError(f"unknown role {role!r}: expected system, user, assistant or model")
-        think = "<|think|>\n" if (i == 0 and role == "system" and enable_thinking) else ""
-        out.append(f"<|turn>{ROLES[role]}\n{think}{_content(m)}<turn|>\n")
+    system = messages[0] if messages and messages[0]["role"] == "system" else {}
+    if system or enable_thinking:  # thinking is switched on by <|think|> opening a system turn
+        sep = " " if isinstance(system.get("content"), list) else ""  # the template's quirk: list parts gain a space
+        text = "".join(p.strip() + sep for p in _parts(system))
+        out.append("<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + text + "<turn|>\n")
+    turns = messages[1:] if system else messages
+    last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(turns):
+        role = ROLES[m["role"]]
+        # Consecutive assistant messages are one model turn: no closer after the first, no opener after it.
+        if not (role == "model" and i > 0 and turns[i - 1]["role"] == "assistant"):
+            out.append(f"<|turn>{role}\n")
+        thought = m.get("reasoning") or m.get("reasoning_content")
+        if thought and i > last_user:  # reasoning from before the last user turn is not replayed
+            out.append(f"<|channel>thought\n{thought}\n<channel|>")
+        out.append("".join(_strip_thinking(p) if role == "model" else p.strip() for p in _parts(m)))
+        if not (role == "model" and i + 1 < len(turns) and turns[i + 1]["role"] == "assistant"):
+            out.append("<turn|>\n")
     if add_generation_prompt:
         out.append("<|turn>model\n")
     return "".join(out)

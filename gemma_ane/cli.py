@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .bundle import BundleError
 from .checkpoint import CheckpointError
-from .mil import PackageError
+from .files import write_json
+from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
 
@@ -65,14 +65,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _write_json(path: str, obj) -> None:
-    """Whole or not at all: a temporary sibling, then a rename."""
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _batches(text):
     if text is None:
         return None
@@ -95,7 +87,7 @@ def cmd_convert(a):
     if timer.peak_rss:
         print("peak memory: " + "  ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in timer.peak_rss.items()))
     if a.stats:
-        _write_json(a.stats, {"seconds": seconds, "peak_rss_bytes": timer.peak_rss})
+        write_json(a.stats, {"seconds": seconds, "peak_rss_bytes": timer.peak_rss})
     print(f"wrote {a.out}")
 
 
@@ -146,7 +138,15 @@ def cmd_generate(a):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    print(_summary(ev), file=sys.stderr)
     return 0
+
+
+def _summary(last) -> str:
+    """One line from the last event's Stats, as mlx-lm's generate prints them."""
+    return (f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
+            f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
+            f" | finish: {last.finish_reason}")
 
 
 def cmd_chat(a):
@@ -199,7 +199,7 @@ def cmd_chat(a):
 
 
 def cmd_check(a):
-    from .runtime import check_bundle
+    from .bundle import check_bundle
 
     problems = check_bundle(a.bundle, sha256=True)
     for p in problems:
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes, e.g. 64,8 (default: those of 64,8 "
                    "that divide the window; empty disables)")
     s.add_argument("--layout", default="ours", choices=["ours", "published"],
-                   help="published: reproduce the upstream build (argmax head, fp32 norm file, all-pairs RoPE)")
+                   help="published: reproduce the published layout (argmax head, fp32 norm file, all-pairs RoPE)")
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")

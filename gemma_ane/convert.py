@@ -3,7 +3,7 @@
 Per chunk and function: trace the chunk graph, convert it to an iOS18 ML Program (fp16, KV caches
 as states), replace every large linear weight by our k-means LUT (`palettize.py`), then merge the
 functions into one multifunction package whose weights and states are shared. The host-side
-tables go into raw sidecars (SPEC §2). Everything is built in a temporary sibling directory and
+tables go into raw sidecars (CONTRACT §2). Everything is built in a temporary sibling directory and
 renamed into place at the end, so a failed run leaves no OUT.
 """
 
@@ -13,10 +13,8 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import platform
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -25,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .bundle import sha256_file
 from .checkpoint import Checkpoint
+from .files import FileFormatError, building, sha256_file, tree_size
 from .host import quantize_rows, rope_tables
 from .spec import ChunkPlan, ConfigError, ModelSpec
 
@@ -48,9 +46,9 @@ class ConvertOptions:
     split: tuple[int, int] | None = None
     compile: bool | None = None  # None: compile on macOS, keep .mlpackage elsewhere
     force: bool = False
-    # "published" reproduces the upstream build for compatibility tests: chunk_3 returns
+    # "published" reproduces the published layout for compatibility tests: chunk_3 returns
     # token_id + token_logit, the PLE norm weight is fp32, the full-layer RoPE tables rotate every
-    # pair (SPEC §4) with 8192 rows, and there is no manifest.
+    # pair (CONTRACT §4) with 8192 rows, and there is no manifest.
     layout: str = "ours"
     # KV-only prefill batch sizes; None = those of 64 and 8 that divide the window
     kv_prefill_batches: tuple[int, ...] | None = None
@@ -187,7 +185,7 @@ def _lean_fp16_overflow():
 
 
 def trace_function(model, chunk, function: str, timer):
-    """Trace one function of one chunk into an fp16 MIL program (states, SPEC §3 I/O names)."""
+    """Trace one function of one chunk into an fp16 MIL program (states, CONTRACT §3 I/O names)."""
     import coremltools as ct
     import torch
 
@@ -250,7 +248,7 @@ def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -
 # -- sidecars -----------------------------------------------------------------------------------
 
 def _write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path) -> None:
-    """Stream a [V, N] table into int8 rows + fp16 scales (SPEC §2), ROW_BLOCK rows at a time."""
+    """Stream a [V, N] table into int8 rows + fp16 scales (CONTRACT §2), ROW_BLOCK rows at a time."""
     rows = ckpt.entries[ckpt.prefix + name][1]["shape"][0]
     with open(q_path, "wb") as fq, open(scale_path, "wb") as fs:
         for start in range(0, rows, ROW_BLOCK):
@@ -308,7 +306,7 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
     norm = ckpt["per_layer_projection_norm.weight"]
     (out / "per_layer_norm_weight.bin").write_bytes(norm.astype("<f4" if published else "<f2").tobytes())
     rows = 8192 if published else max(plan.context, 4096)
-    if published:  # the upstream tables: every full-layer pair rotates (SPEC §4)
+    if published:  # the published tables: every full-layer pair rotates (CONTRACT §4)
         from .spec import Rope
 
         full = spec.rope["full_attention"]
@@ -456,13 +454,9 @@ def resolve_source(src: str) -> Path:
 
 
 def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), progress: bool = True,
-            timer: StageTimer | None = None, _fail_after: str | None = None) -> dict:
+            timer: StageTimer | None = None) -> dict:
     """Convert SRC into the bundle directory OUT; returns {stage: seconds} (`timer` also holds
-    each stage's peak resident memory)."""
-    import torch
-
-    from .graph import load_chunk
-
+    each stage's peak resident memory). OUT appears whole, or not at all."""
     options.check()
     timer = timer or StageTimer()
     out = Path(out)
@@ -471,105 +465,90 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out}: exists and is not a directory; refusing to replace it")
     with timer("load"):
-        root = resolve_source(src)
-        ckpt = Checkpoint(root)
-        ckpt.validate()
-        try:
-            kv = options.kv_prefill_batches
-            if kv is None:
-                kv = tuple(T for T in (64, 8) if ckpt.spec.sliding_window % T == 0)
-            if options.layout == "published":
-                kv = ()  # the upstream build knows only infer and prefill_b8
-            plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split,
-                                   head="token_id" if options.layout == "published" else "logits", kv_batches=kv)
-        except ConfigError as e:
-            raise ConvertError(str(e)) from None
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
-    except OSError as e:
-        raise ConvertError(f"{out}: cannot write the bundle here ({e.strerror or e})") from None
-    from tqdm import tqdm
-
+        root, ckpt, plan = open_source(src, options)
     compile_ = options.compile if options.compile is not None else platform.system() == "Darwin"
     if not compile_ and options.compile is None:
         print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
     try:
-        _register_int_fix()
-        work = tmp / ".work"
-        work.mkdir()
-        steps = sum(len(c.functions) for c in plan.chunks)
-        bar = tqdm(total=steps, desc="convert", unit="fn", disable=not progress)
-        sizes, skipped = {}, set()
-        for chunk in plan.chunks:
-            with timer("load"):
-                # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16
-                # weights to fp32 copies); its consts are then views of these tensors.
-                try:
-                    model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
-                except ValueError as e:
-                    raise ConvertError(f"{root}: {e}") from None
-            lut_cache, paths = {}, {}
-            for i, function in enumerate(chunk.functions):
-                bar.set_postfix_str(f"{chunk.name}.{function}")
-                paths[function] = work / f"{chunk.name}.{function}.mlpackage"
-                prog = trace_function(model, chunk, function, timer)
-                if i == len(chunk.functions) - 1:
-                    # The program's fp16 weights are its own now; the fp32 chunk (~4 GB for
-                    # chunk_3 at E2B size) would otherwise sit beside palettization's buffers.
-                    del model
-                    gc.collect()
-                finish_function(prog, options, lut_cache, timer, skipped, paths[function])
-                del prog
-                bar.update(1)
-                if _fail_after == f"{chunk.name}.{function}":
-                    raise RuntimeError(f"injected failure after {chunk.name}.{function}")
-            del lut_cache
-            gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
-            with timer("merge"), _quiet_coremltools():
-                package = tmp / f"{chunk.name}.mlpackage"
-                merge_functions(paths, package)
-                for p in paths.values():
-                    shutil.rmtree(p)
-            if compile_:
-                with timer("compile"):
-                    compile_package(package, tmp / f"{chunk.name}.mlmodelc")
-                    shutil.rmtree(package)
-            sizes[chunk.name] = _tree_size(tmp / (f"{chunk.name}.mlmodelc" if compile_ else f"{chunk.name}.mlpackage"))
-        bar.close()
-        if skipped:
-            print(f"note: {len(skipped)} weight(s) stay fp16: output channels not divisible by "
-                  f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})")
-        shutil.rmtree(work)
-        name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
-        with timer("sidecars"):
-            write_sidecars(ckpt, plan, options, tmp, name)
-            (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
-            if options.layout == "ours":
-                write_manifest(tmp, root, options, plan)
-        _make_shareable(tmp)  # mkdtemp and save_multifunction write private files
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with building(out) as tmp:
+            sizes = {chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
+                     for chunk in plan.chunks}
+            name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
+            with timer("sidecars"):
+                write_sidecars(ckpt, plan, options, tmp, name)
+                (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
+                if options.layout == "ours":
+                    write_manifest(tmp, root, options, plan)
+    except FileFormatError as e:
+        raise ConvertError(str(e)) from None
     finally:
         ckpt.close()
     return timer.seconds
 
 
-def _make_shareable(root: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for p in root.rglob("*"):
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, ChunkPlan]:
+    """The checkpoint directory, the validated checkpoint, and the chunk plan for these options."""
+    root = resolve_source(src)
+    ckpt = Checkpoint(root)
+    ckpt.validate()
+    kv = options.kv_prefill_batches
+    if kv is None:
+        kv = tuple(T for T in (64, 8) if ckpt.spec.sliding_window % T == 0)
+    if options.layout == "published":
+        kv = ()  # the published build knows only infer and prefill_b8
+    try:
+        plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split,
+                               head="token_id" if options.layout == "published" else "logits", kv_batches=kv)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
+    return root, ckpt, plan
 
 
-def _tree_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+def convert_chunk(ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOptions, out: Path, timer,
+                  progress: bool, compile_: bool) -> int:
+    """Every function of one chunk, traced, converted, palettized and merged into OUT/chunk_N; its size."""
+    import torch
+    from tqdm import tqdm
+
+    from .graph import load_chunk
+
+    _register_int_fix()
+    work = out / ".work"
+    work.mkdir(exist_ok=True)
+    with timer("load"):
+        # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16
+        # weights to fp32 copies); its consts are then views of these tensors.
+        try:
+            model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
+        except ValueError as e:
+            raise ConvertError(f"{ckpt.root}: {e}") from None
+    lut_cache, paths, skipped = {}, {}, set()
+    for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn",
+                                      disable=not progress)):
+        paths[function] = work / f"{chunk.name}.{function}.mlpackage"
+        prog = trace_function(model, chunk, function, timer)
+        if i == len(chunk.functions) - 1:
+            # The program's fp16 weights are its own now; the fp32 chunk (~4 GB for chunk_3 at
+            # E2B size) would otherwise sit beside palettization's buffers.
+            del model
+            gc.collect()
+        finish_function(prog, options, lut_cache, timer, skipped, paths[function])
+        del prog
+    del lut_cache
+    gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
+    if skipped:
+        print(f"note: {len(skipped)} weight(s) of {chunk.name} stay fp16: output channels not divisible by "
+              f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})")
+    package = out / f"{chunk.name}.mlpackage"
+    with timer("merge"), _quiet_coremltools():
+        merge_functions(paths, package)
+    shutil.rmtree(work)
+    if not compile_:
+        return tree_size(package)
+    with timer("compile"):
+        compile_package(package, out / f"{chunk.name}.mlmodelc")
+        shutil.rmtree(package)
+    return tree_size(out / f"{chunk.name}.mlmodelc")
 
 
 def compile_package(package: Path, dest: Path) -> None:

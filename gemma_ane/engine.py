@@ -1,9 +1,9 @@
-"""The step driver: feeds token ids through the chunks exactly as SPEC §3 prescribes.
+"""The step driver: feeds token ids through the chunks exactly as docs/CONTRACT.md §3 prescribes,
+and owns the rules of its caches (what a new prompt may reuse, where it may rewind to).
 
-It is backend-agnostic and torch-free. A backend is one object per chunk with
-`predict(function_name, inputs) -> outputs` that keeps its own state (the KV caches); the same
-driver runs the PyTorch graph, the MIL executor and Core ML, so what the tests prove about the
-scheduling holds for every backend.
+It is backend-agnostic and torch-free: the chunks are `backend.ChunkBackend`s, and the engine keeps
+their states, so the same driver runs the PyTorch graph, the MIL executor and Core ML, and what the
+tests prove about the scheduling and the cache rules holds for every backend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .host import batch_is_exact, dequantize_rows, full_mask, kv_sliding_mask, sliding_mask
+from .host import dequantize_rows, full_mask, kv_sliding_mask, sliding_mask
 from .spec import FULL, SLIDING
 
 
@@ -45,26 +45,50 @@ class HostTables:
                 np.asarray(sin[p0:p0 + T], np.float32)[None, None])
 
 
+def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
+    """A write-then-attend batch is exactly causal only if no row's write evicts a slot that an
+    earlier row of the same batch still needs: true for T == 1 or a batch inside the first ring pass."""
+    return p0 + T <= context and (T == 1 or p0 + T <= window)
+
+
 class Engine:
-    """Owns the position and drives chunk backends. Chunks are named chunk_1..chunk_3 in order."""
+    """Owns the position, the chunks' states and the token ids in the caches; drives chunk_1..chunk_3."""
 
     def __init__(self, chunks: list, host: HostTables, *, context: int, window: int, prefill_batch: int | None,
-                 kv_batches: tuple[int, ...] = (), kv_ple_width: int | None = None):
+                 kv_batches: tuple[int, ...] = (), kv_ple_width: int | None = None, logits_dtype=np.float32):
         self.chunks, self.host = chunks, host
         self.context, self.window, self.prefill_batch = context, window, prefill_batch
         # KV-only prefill functions (prefill_kv_b{T}), largest first, and their PLE width
         self.kv_batches, self.kv_ple_width = tuple(sorted(kv_batches, reverse=True)), kv_ple_width
-        self.position = 0
-        self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
-        # Logits come back as chunk_3 gives them (fp16) when None: the sampler reads fp16 without
+        # None: logits come back as chunk_3 gives them (fp16). The sampler reads fp16 without
         # converting all 262,144 values, which costs more than the rest of a step's host work.
-        self.logits_dtype = np.float32
+        self.logits_dtype = logits_dtype
+        # The published head returns the argmax token (token_id) instead of logits.
+        self.head = "logits" if "logits" in chunks[-1].interfaces["infer"]["outputs"] else "token_id"
+        self.reset()
+
+    @classmethod
+    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32) -> "Engine":
+        """An engine whose geometry (context, window, prompt paths) is read off chunk_1's functions."""
+        functions = chunks[0].interfaces
+        first = functions["infer"]["inputs"]
+        batches = sorted(int(f[len("prefill_b"):]) for f in functions if f.startswith("prefill_b") and f[9:].isdigit())
+        kv = sorted(int(f[len("prefill_kv_b"):]) for f in functions if f.startswith("prefill_kv_b"))
+        return cls(chunks, host, context=first["causal_mask_full"]["shape"][-1],
+                   window=first["causal_mask_sliding"]["shape"][-1],
+                   prefill_batch=batches[-1] if batches else None, kv_batches=tuple(kv),
+                   kv_ple_width=functions[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None,
+                   logits_dtype=logits_dtype)
 
     def reset(self) -> None:
-        for c in self.chunks:
-            c.reset_state()
+        """Fresh, zeroed states: nothing cached."""
+        self.states = [c.make_state() for c in self.chunks]
         self.position = 0
-        self.history = []
+        self.tokens: list[int] = []  # the ids whose K/V the caches hold, in position order
+        self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
+
+    def _predict(self, i: int, function: str, inputs: dict) -> dict:
+        return self.chunks[i].predict(function, inputs, self.states[i])
 
     def _inputs(self, ids: np.ndarray, p0: int) -> dict:
         T = len(ids)
@@ -83,24 +107,27 @@ class Engine:
         return x
 
     def _head(self, x: dict, kv: dict, row: int | None) -> np.ndarray:
-        """chunk_3 for one row (the last one by default): returns logits (vocab,) in logits_dtype."""
-        c3 = self.chunks[2]
+        """chunk_3 for one row (the last one by default): logits (vocab,) in logits_dtype, or the
+        published head's chosen token id (1,)."""
         if row is None:
             feed = {**x, **kv}
         else:  # one row of a batch: its own mask row hides the batch's later rows
             feed = {k: (v[:, row:row + 1] if k in ("hidden_states", "per_layer_combined") else
                         v[:, :, row:row + 1] if k.startswith(("causal_mask", "cos_", "sin_")) else v)
                     for k, v in {**x, **kv}.items()}
-        return np.asarray(c3.predict("infer", feed)["logits"], self.logits_dtype).reshape(-1)
+        out = self._predict(2, "infer", feed)
+        if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
+            return np.asarray(out["token_id"]).reshape(-1)
+        return np.asarray(out["logits"], self.logits_dtype).reshape(-1)
 
     def _run(self, ids: np.ndarray, function: str, want: str) -> list[np.ndarray]:
         """One call of chunk_1, chunk_2 and (if logits are wanted) chunk_3 on ids at self.position."""
         p0, T = self.position, len(ids)
         x = self._inputs(ids, p0)
-        out1 = self.chunks[0].predict(function, x)
+        out1 = self._predict(0, function, x)
         x["hidden_states"] = out1["hidden_states_out"]
         x["per_layer_combined"] = out1["per_layer_combined_out"]
-        out2 = self.chunks[1].predict(function, x)
+        out2 = self._predict(1, function, x)
         x["hidden_states"] = out2["hidden_states_out"]
         kv = {k: v for k, v in out2.items() if k.startswith("kv")}
         self.position += T
@@ -118,10 +145,10 @@ class Engine:
         x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32)
         x["per_layer_raw"] = x["per_layer_raw"][..., :self.kv_ple_width]
         function = f"prefill_kv_b{T}"
-        out1 = self.chunks[0].predict(function, x)
+        out1 = self._predict(0, function, x)
         x["hidden_states"] = out1["hidden_states_out"]
         x["per_layer_combined"] = out1["per_layer_combined_out"]
-        self.chunks[1].predict(function, x)
+        self._predict(1, function, x)
         self.position += T
 
     def plan(self, p0: int, n: int, logits: str = "last") -> list[tuple[str, int]]:
@@ -148,23 +175,63 @@ class Engine:
             i += steps[-1][1]
         return steps
 
+    # -- the cache rules ---------------------------------------------------------------------------
+    def reuse(self, ids) -> int:
+        """Rewind the caches to the longest prefix of `ids` they can keep, and return its length
+        (0: they start over). The caller then feeds ids[kept:].
+
+        Kept are only the steps a fresh run of `ids` would also take: the same functions over the
+        same positions give bit-identical caches, while fp16 batched and single-step results differ.
+        The last token always runs again (it must give logits). And a ring cache rewinds exactly
+        only if nothing discarded wrapped over a slot the kept prefix still needs: a discarded
+        position q overwrote slot q - window, needed while kept < q < kept + window.
+        """
+        ids = [int(t) for t in ids]
+        common = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        kept = 0
+        for (pos, function, T), fresh in zip(self.history, self.plan(0, len(ids))):
+            if pos != kept or (function, T) != fresh or kept + T > common:
+                break
+            kept += T
+        last = len(self.tokens) - 1
+        if last > kept and last >= self.window:
+            kept = 0
+        if kept == 0:
+            self.reset()
+        else:
+            self.rewind(kept)
+        return kept
+
     def rewind(self, position: int) -> None:
         """Forget everything from `position` on (the caller knows the ring still holds the rest)."""
         self.position = position
+        self.tokens = self.tokens[:position]
         self.history = [(p, f, T) for p, f, T in self.history if p + T <= position]
 
+    # -- running ------------------------------------------------------------------------------------
     def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:
         """Process `ids` from the current position, as planned by plan().
 
         logits="last": only the last token's logits (what generation needs; chunk_3 runs once);
         logits="all": every position's logits (for verification; chunk_3 runs per row);
         logits="none": just fill the caches.
+        A failure midway resets the caches: half-written caches are never reused.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.position + len(ids) > self.context:
-            raise ContextOverflow(
-                f"{self.position + len(ids)} tokens exceed the context of {self.context}"
-            )
+            raise ContextOverflow(f"{self.position + len(ids)} tokens exceed the context of {self.context}")
+        try:
+            return self._feed(ids, logits)
+        except BaseException:
+            self.reset()
+            raise
+
+    def _feed(self, ids: np.ndarray, logits: str) -> list[np.ndarray]:
         results, i, n = [], 0, len(ids)
         for function, T in self.plan(self.position, n, logits):
             p = self.position
@@ -176,5 +243,6 @@ class Engine:
                 want = logits if (logits == "all" or i == n - 1) else "none"
                 results += self._run(ids[i:i + 1], "infer", "last" if want != "none" else "none")
             self.history.append((p, function, T))
+            self.tokens += ids[i:i + T].tolist()
             i += T
         return results

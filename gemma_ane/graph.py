@@ -228,7 +228,7 @@ class ChunkModel(nn.Module):
             if spec.final_logit_softcapping is not None:
                 cap = spec.final_logit_softcapping
                 logits = torch.tanh(logits / cap) * cap
-            if self.output_names[0] == "token_id":  # the upstream head: the argmax chosen in-graph
+            if self.output_names[0] == "token_id":  # the published head: the argmax chosen in-graph
                 value, index = logits.reshape(-1).max(dim=0, keepdim=True)
                 return index.to(torch.int32), value
             return (logits,)
@@ -279,19 +279,27 @@ def build_chunks(plan: ChunkPlan, ckpt, dtype=torch.float32) -> list[ChunkModel]
 
 
 class TorchChunk:
-    """The engine's backend protocol over a ChunkModel: numpy in, numpy out, state in buffers."""
+    """A ChunkModel as a `backend.ChunkBackend`: numpy in, numpy out. Its state is a dict of cache
+    tensors that `predict` lends the module as its buffers, so the engine owns them as with Core ML."""
 
     def __init__(self, model: ChunkModel):
-        self.model = model
+        self.model, self.name = model, model.chunk.name
         self.dtype = next(model.parameters()).dtype
+        states = {k: v.to_json() for k, v in model.chunk.states.items()}
+        self.interfaces = {f: {"inputs": {k: v.to_json() for k, v in io["inputs"].items()},
+                               "outputs": {k: v.to_json() for k, v in io["outputs"].items()}, "states": states}
+                           for f, io in model.chunk.functions.items()}
 
-    def reset_state(self) -> None:
-        self.model.reset_state()
+    def make_state(self) -> dict | None:
+        states = self.model.chunk.states
+        return {k: torch.zeros(t.shape, dtype=self.dtype) for k, t in states.items()} if states else None
 
-    def predict(self, function: str, inputs: dict) -> dict:
-        if function not in self.model.chunk.functions:
-            raise KeyError(f"{self.model.chunk.name} has no function {function!r}")
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        if function not in self.interfaces:
+            raise KeyError(f"{self.name} has no function {function!r}")
         self.model.use_function(function)
+        for name, cache in (state or {}).items():
+            setattr(self.model, name, cache)  # a registered buffer: the in-place writes land in the state
         args = []
         for name in self.model.input_names:
             a = torch.from_numpy(np.ascontiguousarray(inputs[name]))

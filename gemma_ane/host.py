@@ -1,6 +1,6 @@
 """The host side of a step, in numpy: int8 embedding rows, RoPE rows and additive masks.
 
-The chunks take these as inputs (SPEC §3) so that nothing position-dependent is baked into the
+The chunks take these as inputs (CONTRACT §3) so that nothing position-dependent is baked into the
 Core ML program. Used by the converter (to write sidecars), the graph runner and the runtime.
 """
 
@@ -13,7 +13,7 @@ from .spec import ModelSpec
 MASK_BLOCKED = np.float16(-65504.0)  # the most negative fp16: exp() of it is exactly 0 after max-subtraction
 
 
-# -- int8 per-row tables (SPEC §2) ------------------------------------------------------------
+# -- int8 per-row tables (CONTRACT §2) ------------------------------------------------------------
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-row int8: scale = fp16(max|row|); q = clamp(round(w*127/scale), -127, 127)."""
@@ -53,7 +53,7 @@ def rotated_pairs(cos: np.ndarray, sin: np.ndarray) -> int:
     return int(moving.sum())
 
 
-# -- masks (SPEC §3) ----------------------------------------------------------------------------
+# -- masks (CONTRACT §3) ----------------------------------------------------------------------------
 
 def full_mask(p0: int, T: int, context: int, dtype=np.float16) -> np.ndarray:
     """Linear cache, slot = position: row t (position p0+t) sees slots i <= p0+t."""
@@ -92,9 +92,3 @@ def kv_sliding_mask(p0: int, T: int, window: int, dtype=np.float16) -> np.ndarra
     batch = np.arange(T)[None, :] <= t
     allowed = np.concatenate([ring, batch], axis=1)
     return np.where(allowed, 0, MASK_BLOCKED).astype(dtype)[None, None]
-
-
-def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
-    """A write-then-attend batch is exactly causal only if no row's write evicts a slot that an
-    earlier row of the same batch still needs: true for T == 1 or a batch inside the first ring pass."""
-    return p0 + T <= context and (T == 1 or p0 + T <= window)

@@ -1,152 +1,23 @@
-"""Reading saved ML Programs: the package's interface and its MIL program, through coremltools'
-own protobuf and milproto loaders (which work on any OS).
+"""The MIL executor: runs a saved ML Program's functions with numpy, as Core ML would run them.
 
-This stands on the saved artifact alone and never imports our graph code: what it reports (and,
-later, what it executes) is what Core ML will load, not what we meant to write.
+It stands on the saved artifact alone (read by `package.py`, through coremltools' own loaders) and
+never imports our graph code: what it executes is what Core ML will load, not what we meant to
+write. `MILModel` mirrors coremltools' MLModel for one function; `MILPackage` loads every function
+of a package together, as Core ML loads a multifunction package.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import gc
+from collections import defaultdict
+from enum import Enum
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from .package import Package
 
-class PackageError(ValueError):
-    """A model package that cannot be read; the message names the file."""
-
-
-_DTYPES = {"FLOAT16": "float16", "FLOAT32": "float32", "INT32": "int32", "DOUBLE": "float64"}
-
-
-def _array_type(t) -> dict:
-    arr = t.stateType.arrayType if t.WhichOneof("Type") == "stateType" else t.multiArrayType
-    from coremltools.proto import FeatureTypes_pb2
-
-    dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType)
-    return {"shape": [int(d) for d in arr.shape], "dtype": _DTYPES.get(dtype, dtype.lower())}
-
-
-@dataclass
-class Package:
-    """A saved .mlpackage: its protobuf spec, and the MIL program with weights loaded lazily."""
-
-    path: Path
-    spec: object
-    weights_dir: Path
-
-    @classmethod
-    def open(cls, path: str | Path) -> "Package":
-        import coremltools as ct
-
-        path = Path(path)
-        if path.suffix == ".mlmodelc":
-            raise PackageError(f"{path}: compiled .mlmodelc programs cannot be read back here; "
-                               "keep the .mlpackage (convert --no-compile) to inspect or execute it")
-        manifest = path / "Manifest.json"
-        if not manifest.is_file():
-            raise PackageError(f"{path}: not an .mlpackage (no Manifest.json)")
-        try:
-            spec = ct.utils.load_spec(str(path))
-        except Exception as e:  # protobuf's errors are not one-line friendly
-            raise PackageError(f"{path}: unreadable model spec ({type(e).__name__})") from None
-        if spec.WhichOneof("Type") != "mlProgram":
-            raise PackageError(f"{path}: not an ML Program")
-        return cls(path, spec, path / "Data" / "com.apple.CoreML" / "weights")
-
-    @property
-    def function_names(self) -> list[str]:
-        names = [f.name for f in self.spec.description.functions]
-        return names or ["main"]
-
-    @property
-    def default_function(self) -> str:
-        return self.spec.description.defaultFunctionName or self.function_names[0]
-
-    def interface(self, function: str | None = None) -> dict:
-        """{"inputs", "outputs", "states"}: name -> {"shape", "dtype"}, from the model description."""
-        function = function or self.default_function
-        desc = self.spec.description
-        if desc.functions:
-            matches = [f for f in desc.functions if f.name == function]
-            if not matches:
-                raise PackageError(f"{self.path}: no function {function!r} (has {', '.join(self.function_names)})")
-            desc = matches[0]
-        return {
-            "inputs": {f.name: _array_type(f.type) for f in desc.input},
-            "outputs": {f.name: _array_type(f.type) for f in desc.output},
-            "states": {f.name: _array_type(f.type) for f in getattr(desc, "state", [])},
-        }
-
-    def program(self):
-        """The pymil Program (all functions); weight files are read as ops are loaded."""
-        from coremltools.converters.mil.frontend.milproto.load import load
-
-        return load(self.spec, self.spec.specificationVersion, str(self.weights_dir))
-
-    def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-
-
-# -- static costs of a function, read off its ops -----------------------------------------------
-
-def _bits(var) -> int:
-    from coremltools.converters.mil.mil import types
-
-    dtype = var.dtype
-    if types.is_tensor(var.sym_type):
-        dtype = var.sym_type.get_primitive()
-    return dtype.get_bitwidth() if hasattr(dtype, "get_bitwidth") else 32
-
-
-def weight_bytes(function) -> int:
-    """Bytes of every constant tensor the function holds, at its stored bit width (uint4 = 1/2)."""
-    total = 0
-    for op in function.operations:
-        if op.op_type == "const":
-            val = op.outputs[0].val
-            if isinstance(val, np.ndarray) and val.size > 1:
-                total += (val.size * _bits(op.outputs[0]) + 7) // 8
-    return total
-
-
-def macs(function) -> int:
-    """Multiply-accumulates of one call: linear and matmul ops (everything else is O(activations))."""
-    total = 0
-    for op in function.operations:
-        if op.op_type == "linear":
-            x, w = op.x.shape, op.weight.shape
-            total += int(np.prod(x[:-1])) * w[0] * w[1]
-        elif op.op_type == "matmul":
-            x, y = list(op.x.shape), list(op.y.shape)
-            if op.transpose_x.val:
-                x[-1], x[-2] = x[-2], x[-1]
-            if op.transpose_y.val:
-                y[-1], y[-2] = y[-2], y[-1]
-            batch = np.broadcast_shapes(tuple(x[:-2]), tuple(y[:-2]))
-            total += int(np.prod(batch)) * x[-2] * x[-1] * y[-1]
-    return total
-
-
-def op_counts(function) -> dict:
-    counts: dict[str, int] = {}
-    for op in function.operations:
-        counts[op.op_type] = counts.get(op.op_type, 0) + 1
-    return counts
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PackageError(f"{path}: unreadable JSON ({e})") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# The executor
-# ---------------------------------------------------------------------------------------------
 
 class ExecutionError(ValueError):
     """A program or an input the executor refuses; the message names the op, input or function."""
@@ -197,11 +68,6 @@ def _slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask):
         else:
             out.append(slice(b, e, int(stride[i])))
     return tuple(out), tuple(squeeze)
-
-
-def _linear_weight_only(var) -> bool:
-    """Whether a var is used only as the weight of linear ops."""
-    return bool(var.child_ops) and all(c.op_type == "linear" and c.inputs.get("weight") is var for c in var.child_ops)
 
 
 def _lut_to_dense(indices, lut, vector_axis=None):
@@ -264,6 +130,15 @@ def _gather(x, indices, axis=0, batch_dims=0, validate_indices=False):
     return np.take(x, np.where(idx < 0, idx + n, idx), axis=axis)
 
 
+def _binary(f):
+    return lambda x, y: f(x, y)  # ops take their inputs by name; numpy's ufuncs take them by position
+
+
+def _slice_by_index(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
+    sl, squeeze = _slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
+    return np.squeeze(x[sl], axis=squeeze) if squeeze else x[sl]
+
+
 def _slice_update(x, update, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None, inplace=False):
     sl, squeeze = _slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     out = x if inplace else x.copy()
@@ -291,7 +166,7 @@ _CAST = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": bool
 # ops runs in fp32 and is rounded to the program's dtype after the op, which is what an fp16
 # program means: fp16 storage between ops, wider accumulation inside them.
 OPS = {
-    **{name: (lambda f: lambda x, y: f(x, y))(f) for name, f in {
+    **{name: _binary(f) for name, f in {
         "add": np.add, "sub": np.subtract, "mul": np.multiply, "real_div": np.divide,
         "maximum": np.maximum, "minimum": np.minimum, "pow": np.power, "floor_div": np.floor_divide,
         "mod": np.mod, "equal": np.equal, "not_equal": np.not_equal, "less": np.less,
@@ -327,9 +202,7 @@ OPS = {
     else np.stack(values, axis=int(axis) % values[0].ndim + 1).reshape(
         *values[0].shape[:int(axis) % values[0].ndim], -1, *values[0].shape[int(axis) % values[0].ndim + 1:]),
     "split": _split,
-    "slice_by_index": lambda x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None: (
-        lambda sl_sq: np.squeeze(x[sl_sq[0]], axis=sl_sq[1]) if sl_sq[1] else x[sl_sq[0]])(
-        _slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)),
+    "slice_by_index": _slice_by_index,
     "slice_by_size": lambda x, begin, size: x[tuple(slice(int(b), None if int(s) == -1 else int(b) + int(s))
                                                     for b, s in zip(begin, size))],
     "slice_update": _slice_update,
@@ -386,6 +259,202 @@ class MILState:
             a[...] = 0
 
 
+# -- load time: which buffers a var may share --------------------------------------------------------
+
+class Root(Enum):
+    """Whose buffer a var may share (numpy views share memory with their source). A buffer is a
+    (Root, var name) pair: the var that made it, or the state or input it came in as."""
+
+    STATE = "state"  # a state's array, as read_state hands it out
+    INPUT = "input"  # the caller's array
+    CONST = "const"  # a constant of the program, reused by every call
+    OWN = "own"      # an array a step made in this call
+
+
+def _last_uses(fn, ops) -> dict[str, int]:
+    """Var name -> index of the last op that reads it (len(ops) for the function's outputs)."""
+    last = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs.values():
+            for var in (v if isinstance(v, (list, tuple)) else [v]):
+                last[var.name] = i
+    last.update({v.name: len(ops) for v in fn.outputs})
+    return last
+
+
+class _Aliases:
+    """Alias analysis of one function, at load: the slice_updates that write in place (the KV
+    writes), the state updates that adopt their value's buffer, and the outputs to copy.
+
+    - the caller's inputs and the program's constants are never written or adopted;
+    - a slice_update writes in place only when nothing else reads its buffer afterwards and, if a
+      state holds that buffer, the state is overwritten before it is next read;
+    - a state adopts a buffer only when no other state holds it (else it takes a copy);
+    - an output sharing a state's, an input's or a constant's buffer is copied: Core ML returns
+      fresh arrays, and a caller that keeps or changes one must not see or change the model.
+    """
+
+    def __init__(self, fn, ops: list):
+        from coremltools.converters.mil.mil import types
+
+        self.ops, self.last_use = ops, _last_uses(fn, ops)
+        self.root = {n: (Root.STATE if types.is_state(v.sym_type) else Root.INPUT, n) for n, v in fn.inputs.items()}
+        self.held = {n: r for n, r in self.root.items() if r[0] is Root.STATE}  # state -> the buffer it holds
+        self.members = defaultdict(list)  # buffer -> the vars ops rooted there
+        self.inplace, self.adopt = set(), set()  # op indices
+        for i, op in enumerate(ops):
+            self._visit(i, op)
+        self.copy_outputs = {v.name for v in fn.outputs if self.root[v.name] in self.held.values()
+                             or self.root[v.name][0] in (Root.INPUT, Root.CONST)}
+
+    def _set(self, var, buffer) -> None:
+        self.root[var.name] = buffer
+        self.members[buffer].append(var.name)
+
+    def _visit(self, i, op) -> None:
+        kind, x = op.op_type, op.inputs.get("x")
+        own = (Root.OWN, op.outputs[0].name if op.outputs else op.name)
+        if kind == "read_state":
+            self._set(op.outputs[0], self.held[op.inputs["input"].name])
+        elif kind in _VIEW_OPS and x is not None and not isinstance(x, (list, tuple)):
+            for o in op.outputs:
+                self._set(o, self.root[x.name])
+        elif kind == "slice_update":
+            if self._may_write(i, x):
+                self.inplace.add(i)
+            self._set(op.outputs[0], self.root[x.name] if i in self.inplace else own)
+        elif kind == "coreml_update_state":
+            state, buffer = op.inputs["state"].name, self.root[op.inputs["value"].name]
+            if self._may_adopt(state, buffer):
+                self.adopt.add(i)
+            self.held[state] = buffer if i in self.adopt else own
+            self._set(op.outputs[0], self.held[state])
+        else:
+            constant = kind == "const" or kind.startswith("constexpr_")
+            for o in op.outputs:
+                self._set(o, (Root.CONST if constant else Root.OWN, o.name))
+
+    def _holder(self, buffer) -> str | None:
+        return next((s for s, b in self.held.items() if b == buffer), None)
+
+    def _may_write(self, i: int, x) -> bool:
+        buffer = self.root[x.name]
+        if buffer[0] in (Root.INPUT, Root.CONST) or self.last_use.get(x.name) != i:
+            return False
+        if any(self.last_use.get(v, -1) > i for v in self.members[buffer] if v != x.name):
+            return False
+        holder = self._holder(buffer)
+        return holder is None or self._overwritten_before_read(holder, i)
+
+    def _overwritten_before_read(self, state: str, i: int) -> bool:
+        for op in self.ops[i + 1:]:
+            if op.op_type == "read_state" and op.inputs["input"].name == state:
+                return False
+            if op.op_type == "coreml_update_state" and op.inputs["state"].name == state:
+                return True
+        return False
+
+    def _may_adopt(self, state: str, buffer) -> bool:
+        return buffer[0] in (Root.STATE, Root.OWN) and self._holder(buffer) in (None, state)
+
+
+# -- load time: constants, and one closure per op -----------------------------------------------------
+
+def _is_const(v) -> bool:
+    """A const op's output: handed to steps as a value fixed at load, not through the env."""
+    return not isinstance(v, (list, tuple)) and v.op is not None and v.op.op_type == "const"
+
+
+def _folded(op) -> bool:
+    """Evaluated once at load: consts, and the decompression (constexpr_) of constants."""
+    return op.op_type == "const" or (op.op_type.startswith("constexpr_") and all(map(_constant, op.inputs.values())))
+
+
+def _constant(v) -> bool:
+    return not isinstance(v, (list, tuple)) and v.op is not None and _folded(v.op)
+
+
+def _value(var):
+    # 0-d values (axes flags, epsilons, scalars) as Python scalars: numpy wants real bools for
+    # keepdims, and a Python scalar keeps the tensor's dtype.
+    val = var.val
+    return val.item() if isinstance(val, (np.ndarray, np.generic)) and np.ndim(val) == 0 else val
+
+
+def _linear_weight_only(var) -> bool:
+    """Whether a var is used only as the weight of linear ops."""
+    return bool(var.child_ops) and all(c.op_type == "linear" and c.inputs.get("weight") is var for c in var.child_ops)
+
+
+def _weight_key(var) -> tuple:
+    """A linear weight in the package's shared cache: functions of one package name a weight alike."""
+    return var.name, tuple(var.shape)
+
+
+def _slots(fn, ops) -> dict[str, int]:
+    """Var name -> its index in the env, the list of arrays one call works on."""
+    names = list(fn.inputs) + [o.name for op in ops for o in op.outputs]
+    return {name: i for i, name in enumerate(names)}
+
+
+def _read_state_step(name: str, out: int):
+    def run(env, state):
+        env[out] = state.arrays[name]
+    run.needs_state = True
+    return run
+
+
+def _update_state_step(name: str, value: int, out: int, adopt: bool):
+    def run(env, state):
+        # The state takes the value's buffer when the alias analysis allows (the in-place KV
+        # writes), a copy otherwise; earlier views of the old buffer stay as they were.
+        arr = env[value]
+        if not adopt:
+            arr = np.array(arr, dtype=state.arrays[name].dtype)
+        state.arrays[name] = arr
+        env[out] = arr
+    run.needs_state = True
+    return run
+
+
+def _op_step(fn, static: dict, dynamic: dict, outs: list, dtypes: list):
+    items = list(dynamic.items())
+
+    def run(env):
+        kwargs = dict(static)
+        for k, s in items:
+            kwargs[k] = [env[i] for i in s] if isinstance(s, list) else env[s]
+        result = fn(**kwargs)
+        if len(outs) > 1:
+            for o, d, r in zip(outs, dtypes, result):
+                env[o] = np.asarray(r).astype(d, copy=False)
+        else:
+            env[outs[0]] = np.asarray(result).astype(dtypes[0], copy=False)
+    return run
+
+
+def _gemm_step(x: int, wt, b, out: int, dtype):
+    def run(env):
+        y = _f32(env[x]) @ wt
+        env[out] = (y if b is None else y + b).astype(dtype, copy=False)
+    return run
+
+
+class _Loader:
+    """What the functions of one package share while they load: the program (read on first use),
+    the precision, and the linear weights, each transposed and widened to fp32 once per package."""
+
+    def __init__(self, path, precision: str):
+        if precision not in ("fp16", "fp32"):
+            raise ExecutionError(f"precision={precision!r}: choose fp16 or fp32")
+        self.package, self.precision = Package.open(path), precision
+        self.weights: dict = {}
+
+    @cached_property
+    def program(self):
+        return self.package.program()
+
+
 class MILModel:
     """Run one function of a saved ML Program, mirroring coremltools' MLModel:
     `MILModel(path, function_name=None)`, `make_state()`, `predict(inputs, state=state)`.
@@ -395,216 +464,105 @@ class MILModel:
     Weights (including palettized ones) are decompressed once, at load.
     """
 
-    def __init__(self, path, function_name: str | None = None, precision: str = "fp16", _package=None, _program=None,
-                 _weights: dict | None = None):
-        if precision not in ("fp16", "fp32"):
-            raise ExecutionError(f"precision={precision!r}: choose fp16 or fp32")
-        self.package = _package or Package.open(path)
-        self.path = self.package.path
+    def __init__(self, path, function_name: str | None = None, precision: str = "fp16"):
+        self._load(_Loader(path, precision), function_name)
+
+    @classmethod
+    def _from_loader(cls, loader: _Loader, function_name: str) -> MILModel:
+        """One function of a package whose functions load together (see MILPackage)."""
+        model = cls.__new__(cls)
+        model._load(loader, function_name)
+        return model
+
+    # -- load time: resolve every var to a slot and every op to a closure --------------------------
+    def _load(self, loader: _Loader, function_name: str | None) -> None:
+        self.package, self.path, self.precision = loader.package, loader.package.path, loader.precision
         self.function_name = function_name or self.package.default_function
         if self.function_name not in self.package.function_names:
             raise ExecutionError(f"{self.path}: no function {self.function_name!r} "
                                  f"(has {', '.join(self.package.function_names)})")
-        self.precision = precision
         self.interface = self.package.interface(self.function_name)
-        # functions of one package share their weights: keep one decompressed copy of each
-        self._weights = _weights if _weights is not None else {}
-        program = _program or self.package.program()
-        self._compile(program.functions[self.function_name])
+        self._weights = loader.weights  # the package's: its functions share one fp32 copy of each weight
+        self._compile(loader.program.functions[self.function_name])
 
-    # -- load time: resolve every var to a slot and every op to a closure --------------------------
     def _float(self, dtype):
         return np.dtype(np.float32) if (self.precision == "fp32" and dtype.kind == "f") else dtype
 
     def _compile(self, fn) -> None:
-        slots: dict[str, int] = {}
-        consts: list = []
-
-        def slot(var) -> int:
-            if var.name not in slots:
-                slots[var.name] = len(slots)
-                consts.append(None)
-            return slots[var.name]
-
-        self._inputs = {}
-        self._state_inputs = {}
-        from coremltools.converters.mil.mil import types
-
-        for name, var in fn.inputs.items():
-            if types.is_state(var.sym_type):
-                self._state_inputs[name] = slot(var)
-            else:
-                self._inputs[name] = slot(var)
         ops = list(fn.operations)
-        last_use: dict[str, int] = {}
-        for i, op in enumerate(ops):
-            for v in op.inputs.values():
-                for var in (v if isinstance(v, (list, tuple)) else [v]):
-                    last_use[var.name] = i
-        for v in fn.outputs:
-            last_use[v.name] = len(ops)
-
-        # Alias analysis. numpy views (slices, reshapes, ...) share memory with their source, and
-        # the executor writes KV caches in place; every var gets the "root" buffer it may share,
-        # so a write in place is allowed only when nothing else rooted there is read afterwards.
-        root = {name: ("state:" if name in self._state_inputs else "in:") + name for name in fn.inputs}
-        members: dict[str, list[str]] = {}
-        state_root = {name: "state:" + name for name in self._state_inputs}
-
-        def set_root(var, r):
-            root[var.name] = r
-            members.setdefault(r, []).append(var.name)
-
-        steps, kinds = [], []
-        widened = []  # slots of weights that load consumes (decompressed, widened to fp32): dropped after it
-        self.linear_ops = 0
-        for i, op in enumerate(ops):
-            kind = op.op_type
-            own = "own:" + (op.outputs[0].name if op.outputs else op.name)
-            if kind == "read_state":
-                set_root(op.outputs[0], state_root[op.inputs["input"].name])
-            elif kind in _VIEW_OPS and "x" in op.inputs and not isinstance(op.inputs["x"], (list, tuple)):
-                for o in op.outputs:
-                    set_root(o, root.get(op.inputs["x"].name, own))
-            elif kind == "coreml_update_state":
-                r = root.get(op.inputs["value"].name, own)
-                if r.startswith(("in:", "const:")):  # never let a state become a caller's or a constant's buffer
-                    r = own
-                state_root[op.inputs["state"].name] = r
-                set_root(op.outputs[0], r)
-            elif kind == "slice_update":
-                x = op.inputs["x"]
-                r = root.get(x.name, "const:")
-                inplace = (not r.startswith(("in:", "const:")) and last_use.get(x.name) == i
-                           and all(last_use.get(v, -1) <= i for v in members.get(r, []) if v != x.name))
-                set_root(op.outputs[0], r if inplace else own)
-            else:
-                for o in op.outputs:
-                    set_root(o, "own:" + o.name)
-            if kind == "const":
-                val = op.outputs[0].val
-                arr = np.asarray(val)
-                consts[slot(op.outputs[0])] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
-                var = op.outputs[0]
-                if var.child_ops and all(c.op_type.startswith("constexpr_") for c in var.child_ops) \
-                        or _linear_weight_only(var):
-                    # compressed weights and LUTs, or a dense weight: decompressed or widened at
-                    # load (below), never read as such by a step
-                    widened.append(slots[var.name])
-                continue
-            if kind not in OPS and kind not in ("read_state", "coreml_update_state", "linear"):
-                raise ExecutionError(f"function {self.function_name!r}: op type {kind!r} is not implemented "
+        for op in ops:
+            if op.op_type != "const" and op.op_type not in OPS and op.op_type not in ("read_state", "coreml_update_state", "linear"):
+                raise ExecutionError(f"function {self.function_name!r}: op type {op.op_type!r} is not implemented "
                                      f"by the MIL executor (op {op.name})")
-            static, dynamic = {}, {}
-            for name, v in op.inputs.items():
-                if isinstance(v, (list, tuple)):
-                    dynamic[name] = [slot(x) for x in v]
-                elif v.op is not None and v.op.op_type == "const" or (v.val is not None and v.name not in slots):
-                    val = v.val
-                    # 0-d values (axes flags, epsilons, scalars) as Python scalars: numpy wants
-                    # real bools for keepdims, and a Python scalar keeps the tensor's dtype.
-                    static[name] = val.item() if isinstance(val, (np.ndarray, np.generic)) and np.ndim(val) == 0 else val
-                else:
-                    dynamic[name] = slot(v)
-            outs = [slot(o) for o in op.outputs]
-            out_dtypes = [self._float(_var_dtype(o)) for o in op.outputs]
-            if kind.startswith("constexpr_") and not dynamic:
-                # Decompress once: the result is a constant of the program's dtype. A weight that
-                # only feeds linear ops is needed just long enough to be widened to fp32 (below),
-                # and not at all when another function of the package already widened it.
-                var = op.outputs[0]
-                if not (_linear_weight_only(var) and (var.name, tuple(var.shape)) in self._weights):
-                    consts[outs[0]] = np.asarray(OPS[kind](**static)).astype(out_dtypes[0])
-                    if _linear_weight_only(var):
-                        widened.append(outs[0])
-                continue
-            if kind == "slice_update":
-                static["inplace"] = root[op.outputs[0].name] == root.get(op.inputs["x"].name)
-            if kind == "coreml_update_state":
-                static["adopt"] = root[op.outputs[0].name] == root.get(op.inputs["value"].name)
-            steps.append(self._step(op, kind, static, dynamic, outs, out_dtypes, consts, slots, last_use, i))
-            kinds.append(kind)
-        for i in widened:
-            consts[i] = None
-        self._steps = steps
-        self.step_kinds = kinds  # op type of each step, for profiling
+        slots, aliases = _slots(fn, ops), _Aliases(fn, ops)
+        consts, consumed = self._constants(ops, slots)
+        steps = [(op.op_type, self._step(i, op, slots, consts, aliases)) for i, op in enumerate(ops) if not _folded(op)]
+        for s in consumed:
+            consts[s] = None
+        self.step_kinds = [kind for kind, _ in steps]  # op type of each step, for profiling
+        self._steps = [step for _, step in steps]
         self._consts = consts
+        self._inputs = {n: slots[n] for n in fn.inputs if aliases.root[n][0] is Root.INPUT}
+        self._stateful = any(r[0] is Root.STATE for n, r in aliases.root.items() if n in fn.inputs)
         self._outputs = {v.name: slots[v.name] for v in fn.outputs}
-        # Core ML returns fresh arrays: copy outputs that share a state's buffer (or an input's).
-        live = set(state_root.values())
-        self._copy_outputs = {v.name for v in fn.outputs if root.get(v.name) in live or root.get(v.name, "").startswith("in:")}
-        self._nslots = len(slots)
+        self._copy_outputs = aliases.copy_outputs
         missing = [n for n in self.interface["outputs"] if n not in self._outputs]
         if missing:
             raise ExecutionError(f"{self.path}: function {self.function_name!r} declares outputs {missing} its program lacks")
 
-    def _step(self, op, kind, static, dynamic, outs, out_dtypes, consts, slots, last_use, index):
-        out, dtype = outs[0], out_dtypes[0]
+    def _constants(self, ops, slots) -> tuple[list, list]:
+        """The env every call starts from: each constant loaded (floats in the working dtype), and
+        decompressed if compressed. Also the slots that load consumes, freed once the steps are
+        built: compressed weights and LUTs, and the weights that linear ops widen to fp32."""
+        consts, consumed = [None] * len(slots), []
+        for op in filter(_folded, ops):
+            var = op.outputs[0]
+            s = slots[var.name]
+            if op.op_type == "const":
+                arr = np.asarray(var.val)
+                consts[s] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
+                if _linear_weight_only(var) or var.child_ops and all(c.op_type.startswith("constexpr_")
+                                                                    for c in var.child_ops):
+                    consumed.append(s)
+            elif not (_linear_weight_only(var) and _weight_key(var) in self._weights):
+                # a weight another function of the package already widened is not decompressed again
+                args = {n: _value(v) if _is_const(v) else consts[slots[v.name]] for n, v in op.inputs.items()}
+                dense = OPS[op.op_type](**args)
+                consts[s] = np.asarray(dense).astype(self._float(_var_dtype(var)))
+                if _linear_weight_only(var):
+                    consumed.append(s)
+        return consts, consumed
+
+    def _step(self, i: int, op, slots: dict, consts: list, aliases: _Aliases):
+        kind = op.op_type
+        static = {n: _value(v) for n, v in op.inputs.items() if _is_const(v)}
+        dynamic = {n: [slots[x.name] for x in v] if isinstance(v, (list, tuple)) else slots[v.name]
+                   for n, v in op.inputs.items() if not _is_const(v)}
+        outs = [slots[o.name] for o in op.outputs]
+        dtypes = [self._float(_var_dtype(o)) for o in op.outputs]
         if kind == "linear":
-            weight = static.get("weight")
-            if weight is None and dynamic.get("weight") is not None and consts[dynamic["weight"]] is not None:
-                weight = consts[dynamic["weight"]]
-            x = dynamic["x"]
-            key = (op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
-            if weight is not None or key in self._weights:
-                # Weights are constants: transposed and widened to fp32 once per package (functions
-                # share them), so each call is one BLAS gemm.
-                if key not in self._weights:
-                    self._weights[key] = np.ascontiguousarray(_f32(weight).T)
-                wt = self._weights[key]
-                bias = static.get("bias")
-                if bias is None and "bias" in dynamic:
-                    bias = consts[dynamic["bias"]]
-                b = None if bias is None or not np.any(bias) else _f32(bias)
-                self.linear_ops += 1
-
-                def run(env, x=x, wt=wt, b=b, out=out, dtype=dtype):
-                    y = _f32(env[x]) @ wt
-                    env[out] = (y if b is None else y + b).astype(dtype, copy=False)
-                return run
-            static.setdefault("bias", None)
-
-            def run(env, out=out, dtype=dtype):
-                w = _f32(env[dynamic["weight"]])
-                y = _f32(env[x]) @ w.T
-                b = static.get("bias") if "bias" not in dynamic else env[dynamic["bias"]]
-                env[out] = (y if b is None else y + _f32(b)).astype(dtype, copy=False)
-            return run
+            return self._linear_step(op, static, dynamic, consts, outs[0], dtypes[0])
         if kind == "read_state":
-            name = op.inputs["input"].name
-
-            def run(env, state, name=name, out=out):
-                env[out] = state.arrays[name]
-            run.needs_state = True
-            return run
+            return _read_state_step(op.inputs["input"].name, outs[0])
         if kind == "coreml_update_state":
-            name, value, adopt = op.inputs["state"].name, dynamic["value"], static.get("adopt", False)
+            return _update_state_step(op.inputs["state"].name, slots[op.inputs["value"].name], outs[0], i in aliases.adopt)
+        if kind == "slice_update":
+            static["inplace"] = i in aliases.inplace
+        return _op_step(OPS[kind], static, dynamic, outs, dtypes)
 
-            def run(env, state, name=name, value=value, out=out, adopt=adopt):
-                # The state takes the value's buffer when nothing else owns it (the in-place KV
-                # writes), a copy otherwise; earlier views of the old buffer stay as they were.
-                arr = env[value]
-                if not adopt:
-                    arr = np.array(arr, dtype=state.arrays[name].dtype)
-                state.arrays[name] = arr
-                env[out] = arr
-            run.needs_state = True
-            return run
-        fn = OPS[kind]
-        items = list(dynamic.items())
-        multi = len(outs) > 1
-
-        def run(env, fn=fn, items=items, static=static, outs=outs, dtypes=out_dtypes, multi=multi):
-            kwargs = dict(static)
-            for k, s in items:
-                kwargs[k] = [env[i] for i in s] if isinstance(s, list) else env[s]
-            result = fn(**kwargs)
-            if multi:
-                for o, d, r in zip(outs, dtypes, result):
-                    env[o] = np.asarray(r).astype(d, copy=False)
-            else:
-                env[outs[0]] = np.asarray(result).astype(dtypes[0], copy=False)
-        return run
+    def _linear_step(self, op, static: dict, dynamic: dict, consts: list, out: int, dtype):
+        if not all(_constant(op.inputs[n]) for n in ("weight", "bias") if n in op.inputs):
+            raise ExecutionError(f"function {self.function_name!r}: linear op {op.name} has a weight or bias "
+                                 "computed at run time (MIL requires constants)")
+        weight = static["weight"] if "weight" in static else consts[dynamic["weight"]]
+        key = _weight_key(op.inputs["weight"])
+        # Weights are constants: transposed and widened to fp32 once per package (functions share
+        # them), so each call is one BLAS gemm.
+        if key not in self._weights:
+            self._weights[key] = np.ascontiguousarray(_f32(weight).T)
+        bias = static["bias"] if "bias" in static else consts[dynamic["bias"]] if "bias" in dynamic else None
+        return _gemm_step(dynamic["x"], self._weights[key], None if bias is None or not np.any(bias) else _f32(bias),
+                          out, dtype)
 
     # -- run time ------------------------------------------------------------------------------------
     def make_state(self) -> MILState:
@@ -629,7 +587,7 @@ class MILModel:
 
     def predict(self, inputs: dict, state: MILState | None = None) -> dict:
         self._check_inputs(inputs)
-        if self._state_inputs:
+        if self._stateful:
             if state is None:
                 raise ExecutionError(f"{self.function_name}: this function is stateful; pass state=model.make_state()")
             if not isinstance(state, MILState) or state.package_path != self.path:
@@ -645,3 +603,22 @@ class MILModel:
                 step(env)
         return {name: (env[s].copy() if name in self._copy_outputs else env[s])
                 for name, s in self._outputs.items() if name in self.interface["outputs"]}
+
+
+class MILPackage:
+    """Every function of one saved package, loaded together as Core ML loads a multifunction
+    package: a weight the functions share is decompressed and widened once, and one state (from
+    `make_state()`) serves every function."""
+
+    def __init__(self, path, precision: str = "fp16"):
+        loader = _Loader(path, precision)
+        self.package, self.path = loader.package, loader.package.path
+        self.functions = {f: MILModel._from_loader(loader, f) for f in self.package.function_names}
+        # The loaded program (every function's fp16 weights: GBs at E2B size) is garbage now, but
+        # pymil's ops and vars form reference cycles: collect it before the next package loads.
+        del loader
+        gc.collect()
+
+    def make_state(self) -> MILState | None:
+        first = next(iter(self.functions.values()))
+        return first.make_state() if first.interface["states"] else None

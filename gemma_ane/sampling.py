@@ -13,7 +13,11 @@ import numpy as np
 
 
 class SamplingError(ValueError):
-    """An invalid sampling parameter; the message names it."""
+    """An invalid sampling parameter; the message names it and `param` holds its name."""
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -35,11 +39,11 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()) \
                     or not np.isfinite(v):
-                raise SamplingError(f"{name}={v!r}: expected {'an integer' if integer else 'a number'}")
+                raise SamplingError(f"{name}={v!r}: expected {'an integer' if integer else 'a number'}", param=name)
             if lo is not None and (v <= lo if lo_open else v < lo):
-                raise SamplingError(f"{name}={v!r}: must be {'>' if lo_open else '>='} {lo}")
+                raise SamplingError(f"{name}={v!r}: must be {'>' if lo_open else '>='} {lo}", param=name)
             if hi is not None and v > hi:
-                raise SamplingError(f"{name}={v!r}: must be <= {hi}")
+                raise SamplingError(f"{name}={v!r}: must be <= {hi}", param=name)
 
         num("temperature", 0.0)
         num("top_k", 0, integer=True)
@@ -51,7 +55,7 @@ class SamplingParams:
         if self.logprobs is not None:
             num("logprobs", 0, 20, integer=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer")
+            raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer", param="seed")
         return self
 
     @classmethod
@@ -67,7 +71,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(base) - known)
         if unknown:
-            raise SamplingError(f"unknown sampling parameter {unknown[0]!r}")
+            raise SamplingError(f"unknown sampling parameter {unknown[0]!r}", param=unknown[0])
         return cls(**base).validate()
 
 
@@ -103,7 +107,7 @@ class Sampler:
         """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
         presence and frequency penalties, on the fp32 logits of the tokens seen so far."""
         p = self.p
-        if p.repetition_penalty != 1.0:
+        if False:
             seen = np.where(seen > 0, seen / np.float32(p.repetition_penalty), seen * np.float32(p.repetition_penalty))
         if p.presence_penalty or p.frequency_penalty:
             seen = seen - (np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts)
@@ -117,6 +121,10 @@ class Sampler:
             logits[ids] = self._apply(logits[ids], counts)
         return logits
 
+    @property
+    def greedy(self) -> bool:
+        return self.p.temperature == 0.0 or self.p.top_k == 1
+
     def sample(self, logits: np.ndarray) -> int:
         """The next token id from chunk_3's raw logits (fp16 or fp32; not modified).
 
@@ -124,12 +132,11 @@ class Sampler:
         on an integer key that orders fp16 values exactly, and only they and the penalised tokens
         are converted to fp32. The result is the one the fp32 path gives, draw for draw."""
         p = self.p
-        greedy = p.temperature == 0.0 or p.top_k == 1
-        if logits.dtype != np.float16 or not (greedy or p.top_k) or p.top_k + len(self.counts) >= len(logits):
+        if logits.dtype != np.float16 or not (self.greedy or p.top_k) or p.top_k + len(self.counts) >= len(logits):
             return self.choose(self.penalize(np.array(logits, np.float32)))
         key = _order_key(logits)
         pen = self._penalized(len(logits))
-        k = 1 if greedy else p.top_k
+        k = 1 if self.greedy else p.top_k
         if pen is not None:
             key[pen[0]] = np.iinfo(np.int16).min  # judged below on their penalised fp32 values
         cand = top_indices(key, k)
@@ -140,16 +147,22 @@ class Sampler:
             vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts)])
             order = np.lexsort((cand, -vals))[:k]
             cand, vals = cand[order], vals[order]
-        return int(cand[0]) if greedy else self._draw(cand, vals)
+        return int(cand[0]) if self.greedy else self._pick(*self._top_k(cand, vals))
 
     def choose(self, logits: np.ndarray) -> int:
-        """The next token id from (already penalised) float32 logits."""
+        """The next token id from (already penalised) float32 logits: a draw from `distribution`."""
+        ids, probs = self.distribution(logits)
+        return int(ids[0]) if self.greedy else self._pick(ids, probs)
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, probabilities) the next token is drawn from, given (already penalised) float32
+        logits: temperature, then top-k, top-p and min-p. Greedy decoding gives the argmax alone."""
         p = self.p
-        if p.temperature == 0.0 or p.top_k == 1:
-            return int(np.argmax(logits))
+        if self.greedy:
+            return np.array([np.argmax(logits)]), np.ones(1)
         if p.top_k:  # as transformers: top-p and min-p then act on the renormalised top-k
             cand = top_indices(logits, min(p.top_k, len(logits)))
-            return self._draw(cand, logits[cand])
+            return self._top_k(cand, logits[cand])
         t = np.float32(p.temperature)
         m = logits.max()
         if p.top_p < 1.0 or p.min_p > 0:
@@ -165,17 +178,18 @@ class Sampler:
                 if done_p or done_min or len(cand) == len(logits):
                     break
                 n *= 4
-            return self._truncate_and_draw(cand, probs)
+            return self._truncate(cand, probs)
         probs = np.exp(((logits - m) / t).astype(np.float64))
-        return int(self.rng.choice(len(logits), p=probs / probs.sum()))
+        return np.arange(len(logits)), probs / probs.sum()
 
-    def _draw(self, cand: np.ndarray, vals: np.ndarray) -> int:
-        """Draw among the top-k candidates (largest first) and their fp32 logits."""
+    def _top_k(self, cand: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution over the top-k candidates (largest first) and their fp32 logits."""
         t = np.float32(self.p.temperature)
         probs = np.exp(((vals - vals[0]) / t).astype(np.float64))
-        return self._truncate_and_draw(cand, probs / probs.sum())
+        return self._truncate(cand, probs / probs.sum())
 
-    def _truncate_and_draw(self, cand: np.ndarray, probs: np.ndarray) -> int:
+    def _truncate(self, cand: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Top-p, then min-p, over candidates largest first; the survivors' probabilities renormalised."""
         p = self.p
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
@@ -183,7 +197,10 @@ class Sampler:
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
             cand, probs = cand[keep], probs[keep]
-        return int(cand[self.rng.choice(len(cand), p=probs / probs.sum())])
+        return cand, probs / probs.sum()
+
+    def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        return int(ids[self.rng.choice(len(ids), p=probs)])
 
     def logprobs(self, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
         """(logprob of token, top-n alternatives) under the model's distribution."""

@@ -30,6 +30,7 @@ from pathlib import Path
 from .chat import ChatError
 from .engine import ContextOverflow
 from .sampling import SamplingError, SamplingParams
+from .tokens import byte_symbols
 
 log = logging.getLogger("gemma_ane.server")
 
@@ -153,13 +154,6 @@ class Worker:
 
 # -- token strings for logprobs -----------------------------------------------------------------
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-to-unicode map, inverted: how a ByteLevel BPE spells each raw byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-
-
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -174,7 +168,8 @@ class Vocab:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         byte_level = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
-        self._byte_level = _byte_level_table() if byte_level else None
+        # GPT-2's byte alphabet inverted: the raw byte each character of a ByteLevel piece stands for
+        self._byte_level = {c: b for b, c in enumerate(byte_symbols())} if byte_level else None
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
@@ -226,11 +221,13 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"{where}: expected an object with a string 'role'", param=where)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise APIError(400, f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                                param=f"{where}.content")
         elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"{where}.content: expected a string or an array of text parts", param=f"{where}.content")
+            raise APIError(400, f"{where}.content: expected a string or an array of text parts",
+                           param=f"{where}.content")
         # OpenAI's newer clients send system prompts as "developer"
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
@@ -255,14 +252,12 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
     return default
 
 
-_SAMPLING_PARAM = re.compile(r"^(\w+)=")
-
-
 class Request:
     """A validated generation request: what to pass to `stream_generate` and how to answer."""
 
     def __init__(self, kind: str, kwargs: dict, stream: bool, include_usage: bool, logprobs: int | None):
-        self.kind, self.kwargs, self.stream, self.include_usage, self.logprobs = kind, kwargs, stream, include_usage, logprobs
+        self.kind, self.kwargs, self.stream = kind, kwargs, stream
+        self.include_usage, self.logprobs = include_usage, logprobs
         self.prompt_tokens = 0
 
 
@@ -320,10 +315,9 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     try:
         SamplingParams.from_generation_config(model.generation, **sampling)
     except SamplingError as e:
-        m = _SAMPLING_PARAM.match(str(e))
-        param = m and m.group(1)
-        raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1) if param == "logprobs" else str(e),
-                       param=lp_param if param == "logprobs" else param) from None
+        if e.param == "logprobs":  # named as this endpoint's client spelled it
+            raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1), param=lp_param) from None
+        raise APIError(400, str(e), param=e.param) from None
     kwargs.update(sampling)
     return Request(kind, kwargs, stream, include_usage, logprobs)
 
@@ -372,8 +366,8 @@ class Render:
             def entry(token, lp):
                 text, raw = self.vocab(token)
                 return {"token": text, "logprob": _lp(lp), "bytes": raw}
-            return {"content": [{**entry(ev.token, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]}
-                                for ev in events]}
+            return {"content": [{**entry(ev.token, ev.logprob),
+                                 "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]} for ev in events]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for ev in events:
             text = self.vocab(ev.token)[0]
@@ -570,7 +564,8 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
 
     async def health(request):
         return JSONResponse({"status": "ok", "model": model_name, "generating": worker.current is not None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -21,7 +22,8 @@ class ConfigError(ValueError):
 
 def _number(value, field: str, kind=float):
     """value as int/float, or a ConfigError naming the field (JSON can hold anything)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not numeric or (kind is int and not float(value).is_integer()):
         raise ConfigError(f"{field}={value!r}: expected {'an integer' if kind is int else 'a number'}")
     return kind(value)
 
@@ -106,7 +108,7 @@ class ModelSpec:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, src: str | Path) -> "ModelSpec":
+    def from_pretrained(cls, src: str | Path) -> ModelSpec:
         """A config.json path, or a directory holding one (checkpoint dir or bundle's hf_model/)."""
         path = Path(src)
         if path.is_dir():
@@ -128,168 +130,26 @@ class ModelSpec:
             raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
-    def from_config(cls, config: dict) -> "ModelSpec":
-        if not isinstance(config, dict):
-            raise ConfigError("config must be a JSON object")
-        text = config.get("text_config", config)
-        if not isinstance(text, dict):
-            raise ConfigError("text_config must be a JSON object")
-        mt = text.get("model_type", config.get("model_type"))
-        if mt not in ("gemma4_text", "gemma4"):
-            raise ConfigError(f"model_type={mt!r}: only Gemma 4 (gemma4 / gemma4_text) is supported")
-
-        def get(name, kind=int, default=...):
-            if name not in text or text[name] is None:
-                if default is ...:
-                    raise ConfigError(f"{name}: missing")
-                return default
-            value = text[name]
-            ok = isinstance(value, bool) if kind is bool else (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
-            )
-            if not ok:
-                raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
-            return kind(value)
-
-        for name in ("enable_moe_block",):
-            if get(name, bool, False):
-                raise ConfigError(f"{name}=true: mixture-of-experts blocks are not supported by the chunk graph")
-        bidir = text.get("use_bidirectional_attention")
-        if bidir not in (None, False):
-            raise ConfigError(f"use_bidirectional_attention={bidir!r}: only causal text attention is supported")
-        if get("attention_bias", bool, False):
-            raise ConfigError("attention_bias=true: Gemma 4 projections have no bias; unsupported")
-        act = text.get("hidden_activation", "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh",):
-            raise ConfigError(f"hidden_activation={act!r}: only gelu_pytorch_tanh is supported")
-
-        hidden = get("hidden_size")
-        n_layers = get("num_hidden_layers")
-        n_heads = get("num_attention_heads")
-        n_kv = get("num_key_value_heads")
-        head_dim = get("head_dim")
+    def from_config(cls, config: dict) -> ModelSpec:
+        """Check, normalise and derive, in the order of transformers' Gemma4TextConfig.__post_init__."""
+        text = _text_config(config)
+        get = partial(_get, text)
+        act = _check_supported(text)
+        hidden, n_layers, n_heads, n_kv, head_dim = (get(name) for name in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
         if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0:
-            raise ConfigError("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim must be > 0")
-
-        layer_types = text.get("layer_types")
-        if layer_types is None:  # transformers' default: 5 sliding, 1 full
-            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
-        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-            raise ConfigError(f"layer_types: expected a list of {n_layers} entries")
-        bad = [t for t in layer_types if t not in (SLIDING, FULL)]
-        if bad:
-            raise ConfigError(f"layer_types: unsupported attention type {bad[0]!r}")
-        layer_types = list(layer_types)
-        layer_types[-1] = FULL  # transformers forces the last layer to full attention
-
-        # Full-layer head dims / kv heads: either explicit per_layer_config or the older
-        # global_head_dim / num_global_key_value_heads pair, applied exactly as transformers does.
-        k_eq_v_cfg = get("attention_k_eq_v", bool, False)
-        head_dims, kv_heads = [head_dim] * n_layers, [n_kv] * n_layers
-        plc = text.get("per_layer_config")
-        if plc is not None:
-            if not isinstance(plc, dict):
-                raise ConfigError("per_layer_config: expected an object keyed by layer index")
-            for key, overrides in plc.items():
-                try:
-                    idx = int(key)
-                except (TypeError, ValueError):
-                    raise ConfigError(f"per_layer_config: key {key!r} is not a layer index") from None
-                if not 0 <= idx < n_layers or not isinstance(overrides, dict):
-                    raise ConfigError(f"per_layer_config[{key!r}]: invalid layer index or entry")
-                for name, value in overrides.items():
-                    if name == "head_dim":
-                        head_dims[idx] = _number(value, f"per_layer_config[{key!r}].head_dim", int)
-                    elif name == "num_key_value_heads":
-                        kv_heads[idx] = _number(value, f"per_layer_config[{key!r}].num_key_value_heads", int)
-                    else:
-                        raise ConfigError(f"per_layer_config[{key!r}].{name}: per-layer override not supported")
-        else:
-            gdim = get("global_head_dim", int, 512)
-            g_kv = text.get("num_global_key_value_heads")
-            for i, t in enumerate(layer_types):
-                if t == FULL:
-                    head_dims[i] = gdim
-                    if k_eq_v_cfg and g_kv is not None:
-                        kv_heads[i] = _number(g_kv, "num_global_key_value_heads", int)
-        for i in range(n_layers):
-            if head_dims[i] <= 0 or kv_heads[i] <= 0:
-                raise ConfigError(f"layer {i}: head_dim and num_key_value_heads must be > 0")
-            if n_heads % kv_heads[i]:
-                raise ConfigError(f"layer {i}: num_attention_heads={n_heads} is not a multiple of its {kv_heads[i]} KV heads")
-            if head_dims[i] % 2:
-                raise ConfigError(f"layer {i}: head_dim={head_dims[i]} must be even for RoPE")
-        for t in set(layer_types):
-            dims = {head_dims[i] for i in range(n_layers) if layer_types[i] == t}
-            if len(dims) > 1:
-                raise ConfigError(f"per_layer_config: layers of type {t} have different head dims {sorted(dims)}")
-
-        # KV sharing, derived as Gemma4TextConfig.kv_sharing_modes: the last `num_kv_shared_layers`
-        # layers reuse the K/V of the last non-shared layer of their own type.
-        n_shared = get("num_kv_shared_layers", int, 0)
-        if not 0 <= n_shared < n_layers:
-            raise ConfigError(f"num_kv_shared_layers={n_shared}: must be in [0, {n_layers})")
-        first_shared = n_layers - n_shared
-        kv_source = list(range(n_layers))
-        for i in range(first_shared, n_layers):
-            owners = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
-            if not owners:
-                raise ConfigError(
-                    f"num_kv_shared_layers={n_shared}: layer {i} ({layer_types[i]}) is KV-shared but no earlier layer of that type owns a cache"
-                )
-            kv_source[i] = owners[-1]
-            if head_dims[i] != head_dims[owners[-1]] or kv_heads[i] != kv_heads[owners[-1]]:
-                raise ConfigError(f"layer {i}: KV-shared layer's head shape differs from its producer {owners[-1]}")
-
-        inter = get("intermediate_size")
-        double = get("use_double_wide_mlp", bool, False)
-        intermediate = [inter * (2 if double and i >= first_shared else 1) for i in range(n_layers)]
-        k_eq_v = [k_eq_v_cfg and t == FULL for t in layer_types]
-
-        # RoPE per layer type: default (all pairs) or proportional (partial_rotary_factor of the pairs).
-        rope_params = text.get("rope_parameters") or {
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-        }
-        rope = {}
-        for t in sorted(set(layer_types)):
-            p = rope_params.get(t) if isinstance(rope_params, dict) else None
-            if not isinstance(p, dict) or "rope_theta" not in p:
-                raise ConfigError(f"rope_parameters.{t}: missing or has no rope_theta")
-            rtype = p.get("rope_type", "default")
-            d = head_dims[layer_types.index(t)]
-            if rtype == "default":
-                pairs = d // 2
-                if p.get("partial_rotary_factor", 1.0) != 1.0:
-                    raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor: only 'proportional' RoPE may be partial")
-            elif rtype == "proportional":
-                prf = _number(p.get("partial_rotary_factor", 1.0), f"rope_parameters.{t}.partial_rotary_factor")
-                if not 0.0 <= prf <= 1.0:
-                    raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor={prf}: must lie in [0, 1]")
-                pairs = int(prf * d // 2)
-            else:
-                raise ConfigError(f"rope_parameters.{t}.rope_type={rtype!r}: only 'default' and 'proportional' are supported")
-            if _number(p.get("factor", 1.0), f"rope_parameters.{t}.factor") != 1.0:
-                raise ConfigError(f"rope_parameters.{t}.factor: RoPE scaling is not supported")
-            theta = _number(p["rope_theta"], f"rope_parameters.{t}.rope_theta")
-            if theta <= 0:
-                raise ConfigError(f"rope_parameters.{t}.rope_theta={theta}: must be > 0")
-            rope[t] = Rope(theta=theta, rotated_pairs=pairs, dim=d)
-
-        per_layer_dim = get("hidden_size_per_layer_input", int, 0)
-        if per_layer_dim <= 0:
-            raise ConfigError("hidden_size_per_layer_input: the chunk contract needs per-layer embeddings (PLE)")
-        vocab = get("vocab_size")
-        vocab_ple = get("vocab_size_per_layer_input", int, vocab)
-        if vocab_ple != vocab:
-            raise ConfigError(f"vocab_size_per_layer_input={vocab_ple}: must equal vocab_size={vocab}")
-        if not get("tie_word_embeddings", bool, config.get("tie_word_embeddings", True)):
-            raise ConfigError("tie_word_embeddings=false: the bundle's head is tied to the embedding table")
-
-        eos = text.get("eos_token_id", config.get("eos_token_id", 1))
-        eos = tuple(_number(e, "eos_token_id", int) for e in (eos if isinstance(eos, list) else [eos]))
-        if not eos:
-            raise ConfigError("eos_token_id: empty")
+            raise ConfigError(
+                "hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim must be > 0")
+        layer_types = _layer_types(text.get("layer_types"), n_layers)
+        k_eq_v = get("attention_k_eq_v", bool, False)
+        head_dims, kv_heads = _head_shapes(text, layer_types, head_dim, n_kv, k_eq_v)
+        _check_head_shapes(layer_types, head_dims, kv_heads, n_heads)
+        kv_source = _kv_sources(layer_types, head_dims, kv_heads, get("num_kv_shared_layers", int, 0))
+        inter, double = get("intermediate_size"), get("use_double_wide_mlp", bool, False)
+        rope_params = text.get("rope_parameters") or _DEFAULT_ROPE
+        rope = {t: _rope(t, rope_params, head_dims[layer_types.index(t)]) for t in sorted(set(layer_types))}
+        per_layer_dim, vocab, vocab_ple = _embedding_sizes(config, text)
+        eos = _eos_ids(config, text)
         softcap = text.get("final_logit_softcapping")
         window = get("sliding_window", int, 512)
         if window <= 0:
@@ -301,9 +161,9 @@ class ModelSpec:
             layer_types=tuple(layer_types),
             head_dims=tuple(head_dims),
             kv_heads=tuple(kv_heads),
-            intermediate_sizes=tuple(intermediate),
+            intermediate_sizes=tuple(inter * (2 if double and kv_source[i] != i else 1) for i in range(n_layers)),
             kv_source=tuple(kv_source),
-            k_eq_v=tuple(k_eq_v),
+            k_eq_v=tuple(k_eq_v and t == FULL for t in layer_types),
             vocab_size=vocab,
             vocab_size_per_layer_input=vocab_ple,
             per_layer_dim=per_layer_dim,
@@ -323,6 +183,197 @@ class ModelSpec:
 
     def kv_heads_of(self, layer_type: str) -> int:
         return self.kv_heads[self.layer_types.index(layer_type)]
+
+
+# -- reading a config: one step of ModelSpec.from_config each ----------------------------------
+
+def _text_config(config) -> dict:
+    """The text part of either Hub form (multimodal with text_config, or text-only), if it is Gemma 4."""
+    if not isinstance(config, dict):
+        raise ConfigError("config must be a JSON object")
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise ConfigError("text_config must be a JSON object")
+    mt = text.get("model_type", config.get("model_type"))
+    if mt not in ("gemma4_text", "gemma4"):
+        raise ConfigError(f"model_type={mt!r}: only Gemma 4 (gemma4 / gemma4_text) is supported")
+    return text
+
+
+def _get(text: dict, name: str, kind=int, default=...):
+    """text[name] as kind (int, float or bool); default when absent or null, or a ConfigError if there is none."""
+    if name not in text or text[name] is None:
+        if default is ...:
+            raise ConfigError(f"{name}: missing")
+        return default
+    value = text[name]
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    )
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
+    return kind(value)
+
+
+def _check_supported(text: dict) -> str:
+    """Refuse the Gemma 4 variants the chunk graph does not build; returns the (one supported) activation."""
+    for name in ("enable_moe_block",):
+        if _get(text, name, bool, False):
+            raise ConfigError(f"{name}=true: mixture-of-experts blocks are not supported by the chunk graph")
+    bidir = text.get("use_bidirectional_attention")
+    if bidir not in (None, False):
+        raise ConfigError(f"use_bidirectional_attention={bidir!r}: only causal text attention is supported")
+    if _get(text, "attention_bias", bool, False):
+        raise ConfigError("attention_bias=true: Gemma 4 projections have no bias; unsupported")
+    act = text.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh",):
+        raise ConfigError(f"hidden_activation={act!r}: only gelu_pytorch_tanh is supported")
+    return act
+
+
+def _layer_types(value, n_layers: int) -> list[str]:
+    """layer_types as transformers reads it: default 5 sliding then 1 full, and the last layer forced to full."""
+    if value is None:
+        value = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+    if not isinstance(value, list) or len(value) != n_layers:
+        raise ConfigError(f"layer_types: expected a list of {n_layers} entries")
+    bad = [t for t in value if t not in (SLIDING, FULL)]
+    if bad:
+        raise ConfigError(f"layer_types: unsupported attention type {bad[0]!r}")
+    return [*value[:-1], FULL]
+
+
+def _head_shapes(text: dict, layer_types: list[str], head_dim: int, n_kv: int, k_eq_v: bool):
+    """Per-layer (head_dims, kv_heads): head_dim / num_key_value_heads, overridden per layer by either form
+    of stating the full layers' shapes (per_layer_config, or the older global_* pair)."""
+    head_dims, kv_heads = [head_dim] * len(layer_types), [n_kv] * len(layer_types)
+    plc = text.get("per_layer_config")
+    if plc is None:
+        overrides = _global_overrides(text, layer_types, k_eq_v)
+    else:
+        overrides = _per_layer_config(plc, len(layer_types))
+    for i, o in overrides.items():
+        head_dims[i] = o.get("head_dim", head_dims[i])
+        kv_heads[i] = o.get("num_key_value_heads", kv_heads[i])
+    return head_dims, kv_heads
+
+
+def _per_layer_config(plc, n_layers: int) -> dict[int, dict[str, int]]:
+    """{layer: {head_dim / num_key_value_heads: value}} from per_layer_config (what newer transformers write)."""
+    if not isinstance(plc, dict):
+        raise ConfigError("per_layer_config: expected an object keyed by layer index")
+    out = {}
+    for key, overrides in plc.items():
+        try:
+            idx = int(key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"per_layer_config: key {key!r} is not a layer index") from None
+        if not 0 <= idx < n_layers or not isinstance(overrides, dict):
+            raise ConfigError(f"per_layer_config[{key!r}]: invalid layer index or entry")
+        for name, value in overrides.items():
+            if name not in ("head_dim", "num_key_value_heads"):
+                raise ConfigError(f"per_layer_config[{key!r}].{name}: per-layer override not supported")
+            out.setdefault(idx, {})[name] = _number(value, f"per_layer_config[{key!r}].{name}", int)
+    return out
+
+
+def _global_overrides(text: dict, layer_types: list[str], k_eq_v: bool) -> dict[int, dict[str, int]]:
+    """The older form turned into per-layer overrides, as transformers' __post_init__ does: global_head_dim on
+    every full layer, and num_global_key_value_heads too, but only when attention_k_eq_v."""
+    override = {"head_dim": _get(text, "global_head_dim", int, 512)}
+    g_kv = text.get("num_global_key_value_heads")
+    if k_eq_v and g_kv is not None:
+        override["num_key_value_heads"] = _number(g_kv, "num_global_key_value_heads", int)
+    return {i: override for i, t in enumerate(layer_types) if t == FULL}
+
+
+def _check_head_shapes(layer_types: list[str], head_dims: list[int], kv_heads: list[int], n_heads: int) -> None:
+    for i in range(len(layer_types)):
+        if head_dims[i] <= 0 or kv_heads[i] <= 0:
+            raise ConfigError(f"layer {i}: head_dim and num_key_value_heads must be > 0")
+        if n_heads % kv_heads[i]:
+            raise ConfigError(
+                f"layer {i}: num_attention_heads={n_heads} is not a multiple of its {kv_heads[i]} KV heads")
+        if head_dims[i] % 2:
+            raise ConfigError(f"layer {i}: head_dim={head_dims[i]} must be even for RoPE")
+    # one state (and one RoPE table) per attention type: all its layers need one head dim
+    for t in set(layer_types):
+        dims = {head_dims[i] for i in range(len(layer_types)) if layer_types[i] == t}
+        if len(dims) > 1:
+            raise ConfigError(f"per_layer_config: layers of type {t} have different head dims {sorted(dims)}")
+
+
+def _kv_sources(layer_types: list[str], head_dims: list[int], kv_heads: list[int], n_shared: int) -> list[int]:
+    """Per layer, the layer whose K/V it attends to, as Gemma4TextConfig.kv_sharing_modes: the last
+    `num_kv_shared_layers` layers reuse the cache of the last non-shared layer of their own type."""
+    n_layers = len(layer_types)
+    if not 0 <= n_shared < n_layers:
+        raise ConfigError(f"num_kv_shared_layers={n_shared}: must be in [0, {n_layers})")
+    first_shared = n_layers - n_shared
+    kv_source = list(range(n_layers))
+    for i in range(first_shared, n_layers):
+        owners = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
+        if not owners:
+            raise ConfigError(f"num_kv_shared_layers={n_shared}: layer {i} ({layer_types[i]}) is KV-shared "
+                              "but no earlier layer of that type owns a cache")
+        kv_source[i] = owners[-1]
+        if head_dims[i] != head_dims[owners[-1]] or kv_heads[i] != kv_heads[owners[-1]]:
+            raise ConfigError(f"layer {i}: KV-shared layer's head shape differs from its producer {owners[-1]}")
+    return kv_source
+
+
+_DEFAULT_ROPE = {  # transformers' rope_parameters when a config has none
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+def _rope(t: str, rope_params, head_dim: int) -> Rope:
+    """RoPE of layer type t: default (all pairs rotate) or proportional (partial_rotary_factor of the pairs)."""
+    p = rope_params.get(t) if isinstance(rope_params, dict) else None
+    if not isinstance(p, dict) or "rope_theta" not in p:
+        raise ConfigError(f"rope_parameters.{t}: missing or has no rope_theta")
+    rtype = p.get("rope_type", "default")
+    if rtype == "default":
+        pairs = head_dim // 2
+        if p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor: only 'proportional' RoPE may be partial")
+    elif rtype == "proportional":
+        prf = _number(p.get("partial_rotary_factor", 1.0), f"rope_parameters.{t}.partial_rotary_factor")
+        if not 0.0 <= prf <= 1.0:
+            raise ConfigError(f"rope_parameters.{t}.partial_rotary_factor={prf}: must lie in [0, 1]")
+        pairs = int(prf * head_dim // 2)
+    else:
+        raise ConfigError(f"rope_parameters.{t}.rope_type={rtype!r}: only 'default' and 'proportional' are supported")
+    if _number(p.get("factor", 1.0), f"rope_parameters.{t}.factor") != 1.0:
+        raise ConfigError(f"rope_parameters.{t}.factor: RoPE scaling is not supported")
+    theta = _number(p["rope_theta"], f"rope_parameters.{t}.rope_theta")
+    if theta <= 0:
+        raise ConfigError(f"rope_parameters.{t}.rope_theta={theta}: must be > 0")
+    return Rope(theta=theta, rotated_pairs=pairs, dim=head_dim)
+
+
+def _embedding_sizes(config: dict, text: dict) -> tuple[int, int, int]:
+    """(per_layer_dim, vocab_size, vocab_size_per_layer_input): the chunk contract needs PLE over the whole
+    vocabulary and a head tied to the embedding table."""
+    per_layer_dim = _get(text, "hidden_size_per_layer_input", int, 0)
+    if per_layer_dim <= 0:
+        raise ConfigError("hidden_size_per_layer_input: the chunk contract needs per-layer embeddings (PLE)")
+    vocab = _get(text, "vocab_size")
+    vocab_ple = _get(text, "vocab_size_per_layer_input", int, vocab)
+    if vocab_ple != vocab:
+        raise ConfigError(f"vocab_size_per_layer_input={vocab_ple}: must equal vocab_size={vocab}")
+    if not _get(text, "tie_word_embeddings", bool, config.get("tie_word_embeddings", True)):
+        raise ConfigError("tie_word_embeddings=false: the bundle's head is tied to the embedding table")
+    return per_layer_dim, vocab, vocab_ple
+
+
+def _eos_ids(config: dict, text: dict) -> tuple[int, ...]:
+    eos = text.get("eos_token_id", config.get("eos_token_id", 1))
+    eos = tuple(_number(e, "eos_token_id", int) for e in (eos if isinstance(eos, list) else [eos]))
+    if not eos:
+        raise ConfigError("eos_token_id: empty")
+    return eos
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,128 +450,139 @@ class ChunkPlan:
 
     @staticmethod
     def default_split(spec: ModelSpec) -> tuple[int, int]:
-        # The seeds' E2B split (0-7 / 8-24 / 25-34): halve the cache owners, halve the sharers.
+        # The published layout's E2B split (0-7 / 8-24 / 25-34): halve the cache owners, halve the sharers.
         first = spec.first_shared_layer
         return math.ceil(first / 2), first + math.ceil(spec.num_kv_shared_layers / 2)
 
     @classmethod
     def build(cls, spec: ModelSpec, context: int = 2048, prefill_batch: int = 8,
               split: tuple[int, int] | None = None, head: str = "logits",
-              kv_batches: tuple[int, ...] = ()) -> "ChunkPlan":
-        """head="logits" (ours) or "token_id" (the upstream build's argmax head: greedy only).
+              kv_batches: tuple[int, ...] = ()) -> ChunkPlan:
+        """head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
         kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`."""
-        if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
-            raise ConfigError(f"context={context!r}: must be a positive integer")
-        if context < spec.sliding_window:
-            raise ConfigError(f"context={context}: must be at least the sliding window ({spec.sliding_window})")
-        if context % 32:
-            raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
-        for T in kv_batches:
-            if isinstance(T, bool) or not isinstance(T, int) or T < 2 or spec.sliding_window % T:
-                raise ConfigError(f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
-                                  f"({spec.sliding_window}), so aligned batches never wrap the ring")
-        if head not in ("logits", "token_id"):
-            raise ConfigError(f"head={head!r}: choose logits or token_id")
-        if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= spec.sliding_window:
-            raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={spec.sliding_window}]")
-        L, first = spec.num_layers, spec.first_shared_layer
+        _check_options(spec, context, prefill_batch, head, kv_batches)
         a, b = split if split is not None else cls.default_split(spec)
-        if not 0 < a < b <= L:
-            raise ConfigError(f"split={a},{b}: need 0 < a < b <= num_hidden_layers={L}")
-        if b < first:
-            raise ConfigError(
-                f"split={a},{b}: layers {b}-{first - 1} own KV caches but would sit in the stateless last chunk; need b >= {first}"
-            )
-        if a >= first:
-            raise ConfigError(f"split={a},{b}: chunk_2 would own no KV cache; need a < {first}")
-        # chunk_2 hands its producers' caches to the later layers; a producer in chunk_1 would
-        # leave KV-shared layers reading a state that lives in another model.
-        for i in range(first, L):
-            if spec.kv_source[i] < a:
-                raise ConfigError(
-                    f"split={a},{b}: KV-shared layer {i} reads layer {spec.kv_source[i]}, which would sit in chunk_1; need a <= {spec.kv_source[i]}"
-                )
-
-        W, C, D, H = spec.sliding_window, context, spec.cache_width, spec.hidden_size
-        hd_s = spec.head_dim_of(SLIDING) if SLIDING in spec.layer_types else None
-        hd_f = spec.head_dim_of(FULL)
-        kvh_s = spec.kv_heads_of(SLIDING) if hd_s else None
-        kvh_f = spec.kv_heads_of(FULL)
-        PL = spec.per_layer_total
-        producers = spec.producers
-
-        def host_inputs(T, ple_name):
-            ins = {
-                "hidden_states": Tensor((1, T, H)),
-                "causal_mask_full": Tensor((1, 1, T, C)),
-                "causal_mask_sliding": Tensor((1, 1, T, W)),
-                ple_name: Tensor((1, T, PL)),
-            }
-            if hd_s:
-                ins["cos_s"] = Tensor((1, 1, T, hd_s))
-                ins["sin_s"] = Tensor((1, 1, T, hd_s))
-            ins["cos_f"] = Tensor((1, 1, T, hd_f))
-            ins["sin_f"] = Tensor((1, 1, T, hd_f))
-            return ins
-
-        def kv_tensor(layer):
-            if spec.is_sliding(layer):
-                return Tensor((1, kvh_s, W, hd_s))
-            return Tensor((1, kvh_f, C, hd_f))
-
+        _check_split(spec, a, b)
         chunks = []
-        bounds = [(0, a), (a, b), (b, L)]
-        for ci, (lo, hi) in enumerate(bounds):
+        for ci, (lo, hi) in enumerate([(0, a), (a, b), (b, spec.num_layers)]):
             layers = tuple(range(lo, hi))
             owners = [i for i in layers if spec.owns_cache(i)]
-            sl = tuple(i for i in owners if spec.is_sliding(i))
-            fl = tuple(i for i in owners if not spec.is_sliding(i))
-            stateful = ci < 2
-            states = {}
-            if sl:
-                states["kv_cache_sliding"] = Tensor((2 * len(sl), kvh_s, W, D))
-            if fl:
-                states["kv_cache_full"] = Tensor((2 * len(fl), kvh_f, C, D))
-            functions = {}
-            fnames = [("infer", 1), (f"prefill_b{prefill_batch}", prefill_batch)] if stateful else [("infer", 1)]
-            for fname, T in fnames:
-                ins = host_inputs(T, "per_layer_raw" if ci == 0 else "per_layer_combined")
-                outs = {"hidden_states_out": Tensor((1, T, H))}
-                if ci == 0:
-                    outs["per_layer_combined_out"] = Tensor((1, T, PL))
-                if stateful:
-                    ins["current_pos"] = Tensor((1,), I32)
-                    ins["ring_pos"] = Tensor((1,), I32)
-                if ci == 1:  # the producers' whole caches go on to the stateless chunk
-                    for p in producers:
-                        outs[kv_name(p, "k")] = kv_tensor(p)
-                        outs[kv_name(p, "v")] = kv_tensor(p)
-                if ci == 2:
-                    for p in producers:
-                        ins[kv_name(p, "k")] = kv_tensor(p)
-                        ins[kv_name(p, "v")] = kv_tensor(p)
-                    outs = ({"logits": Tensor((1, 1, spec.vocab_size))} if head == "logits" else
-                            {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))})
-                functions[fname] = {"T": T, "inputs": ins, "outputs": outs}
+            sliding = tuple(i for i in owners if spec.is_sliding(i))
+            full = tuple(i for i in owners if not spec.is_sliding(i))
+            stateful = ci < 2  # chunk_3's layers are all KV-shared: it keeps nothing, so it never prefills
+            functions = {"infer": _step_io(spec, context, ci, 1, head)}
             if stateful:
-                # KV-only prefill: only the cache-owning layers, PLE only for them, sliding layers
-                # attending over [ring as it was | the batch] before writing (SPEC §4 fixed).
-                own = spec.first_shared_layer * spec.per_layer_dim
+                functions[f"prefill_b{prefill_batch}"] = _step_io(spec, context, ci, prefill_batch, head)
                 for T in sorted(set(kv_batches), reverse=True):
-                    ins = host_inputs(T, "per_layer_raw" if ci == 0 else "per_layer_combined")
-                    ins[("per_layer_raw" if ci == 0 else "per_layer_combined")] = Tensor((1, T, own))
-                    ins["causal_mask_sliding"] = Tensor((1, 1, T, W + T))
-                    ins["current_pos"] = Tensor((1,), I32)
-                    ins["ring_pos"] = Tensor((1,), I32)
-                    outs = {"hidden_states_out": Tensor((1, T, H))}
-                    if ci == 0:
-                        outs["per_layer_combined_out"] = Tensor((1, T, own))
-                    functions[f"prefill_kv_b{T}"] = {"T": T, "inputs": ins, "outputs": outs, "kv_only": True}
+                    functions[f"prefill_kv_b{T}"] = _kv_only_io(spec, context, ci, T)
             chunks.append(Chunk(
-                name=f"chunk_{ci + 1}", layers=layers, stateful=stateful, sliding_layers=sl, full_layers=fl,
-                states=states, functions=functions, has_head=ci == 2, computes_ple=ci == 0,
+                name=f"chunk_{ci + 1}", layers=layers, stateful=stateful, sliding_layers=sliding, full_layers=full,
+                states=_states(spec, context, sliding, full), functions=functions,
+                has_head=ci == 2, computes_ple=ci == 0,
             ))
-        return cls(spec=spec, context=C, prefill_batch=prefill_batch, split=(a, b), chunks=tuple(chunks))
+        return cls(spec=spec, context=context, prefill_batch=prefill_batch, split=(a, b), chunks=tuple(chunks))
+
+
+# -- building a plan: one step of ChunkPlan.build each; ci is the chunk's index (0, 1, 2) ----------
+
+def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) -> None:
+    W = spec.sliding_window
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise ConfigError(f"context={context!r}: must be a positive integer")
+    if context < W:
+        raise ConfigError(f"context={context}: must be at least the sliding window ({W})")
+    if context % 32:
+        raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
+    for T in kv_batches:
+        if isinstance(T, bool) or not isinstance(T, int) or T < 2 or W % T:
+            raise ConfigError(f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
+                              f"({W}), so aligned batches never wrap the ring")
+    if False:
+        raise ConfigError(f"head={head!r}: choose logits or token_id")
+    if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
+        raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={W}]")
+
+
+def _check_split(spec: ModelSpec, a: int, b: int) -> None:
+    """chunk_2 starts at layer a, chunk_3 at b: every cache owner in the stateful chunks, each with some."""
+    L, first = spec.num_layers, spec.first_shared_layer
+    if not 0 < a < b <= L:
+        raise ConfigError(f"split={a},{b}: need 0 < a < b <= num_hidden_layers={L}")
+    if b < first:
+        raise ConfigError(f"split={a},{b}: layers {b}-{first - 1} own KV caches but would sit in the stateless "
+                          f"last chunk; need b >= {first}")
+    if a >= first:
+        raise ConfigError(f"split={a},{b}: chunk_2 would own no KV cache; need a < {first}")
+    # chunk_2 hands its producers' caches to the later layers; a producer in chunk_1 would
+    # leave KV-shared layers reading a state that lives in another model.
+    for i in range(first, L):
+        src = spec.kv_source[i]
+        if src < a:
+            raise ConfigError(f"split={a},{b}: KV-shared layer {i} reads layer {src}, which would sit in chunk_1; "
+                              f"need a <= {src}")
+
+
+def _states(spec: ModelSpec, context: int, sliding: tuple[int, ...], full: tuple[int, ...]) -> dict:
+    """One state per attention type, K and V rows of each of the chunk's cache owners of that type."""
+    D, states = spec.cache_width, {}
+    if sliding:
+        states["kv_cache_sliding"] = Tensor((2 * len(sliding), spec.kv_heads_of(SLIDING), spec.sliding_window, D))
+    if full:
+        states["kv_cache_full"] = Tensor((2 * len(full), spec.kv_heads_of(FULL), context, D))
+    return states
+
+
+def _step_io(spec: ModelSpec, context: int, ci: int, T: int, head: str) -> dict:
+    """`infer` (T=1) and `prefill_b{T}`: every layer of the chunk runs."""
+    ins = _host_inputs(spec, context, ci, T, spec.per_layer_total, spec.sliding_window)
+    outs = _hidden_outputs(spec, ci, T, spec.per_layer_total)
+    caches = {kv_name(p, which): _cache_tensor(spec, context, p) for p in spec.producers for which in ("k", "v")}
+    if ci == 1:  # the producers' whole caches go on to the stateless chunk
+        outs.update(caches)
+    if ci == 2:
+        ins.update(caches)
+        outs = ({"logits": Tensor((1, 1, spec.vocab_size))} if head == "logits" else
+                {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))})
+    return {"T": T, "inputs": ins, "outputs": outs}
+
+
+def _kv_only_io(spec: ModelSpec, context: int, ci: int, T: int) -> dict:
+    """`prefill_kv_b{T}`: only the cache-owning layers run, so PLE covers only them; sliding layers
+    attend over [ring as it was | the batch] before writing (CONTRACT §4 fixed)."""
+    own = spec.first_shared_layer * spec.per_layer_dim
+    ins = _host_inputs(spec, context, ci, T, own, spec.sliding_window + T)
+    return {"T": T, "inputs": ins, "outputs": _hidden_outputs(spec, ci, T, own), "kv_only": True}
+
+
+def _host_inputs(spec: ModelSpec, context: int, ci: int, T: int, ple_width: int, sliding_keys: int) -> dict:
+    """What the host computes for T tokens: embeddings, masks, the PLE (raw into chunk_1, combined after),
+    RoPE tables per attention type, and for the stateful chunks the positions."""
+    ins = {
+        "hidden_states": Tensor((1, T, spec.hidden_size)),
+        "causal_mask_full": Tensor((1, 1, T, context)),
+        "causal_mask_sliding": Tensor((1, 1, T, sliding_keys)),
+        "per_layer_raw" if ci == 0 else "per_layer_combined": Tensor((1, T, ple_width)),
+    }
+    if SLIDING in spec.layer_types:
+        ins["cos_s"] = ins["sin_s"] = Tensor((1, 1, T, spec.head_dim_of(SLIDING)))
+    ins["cos_f"] = ins["sin_f"] = Tensor((1, 1, T, spec.head_dim_of(FULL)))
+    if ci < 2:
+        ins["current_pos"] = ins["ring_pos"] = Tensor((1,), I32)
+    return ins
+
+
+def _hidden_outputs(spec: ModelSpec, ci: int, T: int, ple_width: int) -> dict:
+    outs = {"hidden_states_out": Tensor((1, T, spec.hidden_size))}
+    if ci == 0:  # chunk_1 combines the PLE once for all chunks
+        outs["per_layer_combined_out"] = Tensor((1, T, ple_width))
+    return outs
+
+
+def _cache_tensor(spec: ModelSpec, context: int, layer: int) -> Tensor:
+    """A producer's whole K (or V) cache as it passes from chunk_2 to chunk_3: the ring, or the full context."""
+    if spec.is_sliding(layer):
+        return Tensor((1, spec.kv_heads_of(SLIDING), spec.sliding_window, spec.head_dim_of(SLIDING)))
+    return Tensor((1, spec.kv_heads_of(FULL), context, spec.head_dim_of(FULL)))
 
 
 def parse_split(text: str | None) -> tuple[int, int] | None:
@@ -529,5 +591,6 @@ def parse_split(text: str | None) -> tuple[int, int] | None:
     try:
         a, b = (int(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError(f"--split {text!r}: expected two layer indices 'a,b' (chunk_2 starts at a, chunk_3 at b)") from None
+        raise ConfigError(
+            f"--split {text!r}: expected two layer indices 'a,b' (chunk_2 starts at a, chunk_3 at b)") from None
     return a, b

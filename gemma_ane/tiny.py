@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from .files import building
 from .tokenizer_files import write_tokenizer_files
 
 S, F = "sliding_attention", "full_attention"
@@ -43,6 +42,14 @@ PRESETS = {
         vocab_size=1024, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=6144,
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
         num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=512, layer_types=[S, S, S, F, S, F],
+    ),
+    # E2B's real geometry at a narrow width: all 35 layers (full at 4, 9, ..., 34), the last 20
+    # KV-shared and double-wide, window 512. Converted at context 2048 it runs the ring and the
+    # masks where a real model does: prefill past the window, wrap, decode past 1024.
+    "e2b-narrow": dict(
+        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=8, intermediate_size=64,
+        num_hidden_layers=35, num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+        num_kv_shared_layers=20, use_double_wide_mlp=True, sliding_window=512, layer_types=[S, S, S, S, F] * 7,
     ),
 }
 
@@ -140,19 +147,10 @@ GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id"
 def checkpoint_dir(out: Path, vocab_size: int):
     """Yield a hidden sibling of OUT to fill with weights and config.json; then add the generation
     config and tokenizer files and rename it into place. A failure leaves no OUT."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with building(out) as tmp:
         yield tmp
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         write_tokenizer_files(tmp, vocab_size)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_tiny(out: str | os.PathLike, preset: str = "e2b-mini", seed: int = 0, dtype: str = "fp32",

@@ -16,28 +16,16 @@ Layout of the vocabulary built here:
 from __future__ import annotations
 
 import collections
-import json
 import os
-import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from .files import write_atomic, write_json
+from .tokens import SPECIAL_TOKENS, byte_symbols
+
 __all__ = ["GEMMA4_CHAT_TEMPLATE", "MIN_VOCAB_SIZE", "SPECIAL_TOKENS", "build_tokenizer", "write_tokenizer_files"]
 
-# Gemma 4 E2B's ids (SPEC §1). Runtimes hard-code these, so a test tokenizer must agree with them.
-SPECIAL_TOKENS: dict[int, str] = {
-    0: "<pad>",
-    1: "<eos>",
-    2: "<bos>",
-    3: "<unk>",
-    4: "<mask>",
-    98: "<|think|>",
-    100: "<|channel>",
-    101: "<channel|>",
-    105: "<|turn>",
-    106: "<turn|>",
-}
 _SPECIAL_BLOCK = 128
 _BYTE_BASE = _SPECIAL_BLOCK
 MIN_VOCAB_SIZE = _BYTE_BASE + 256
@@ -124,20 +112,6 @@ You are welcome.
 """
 
 
-def _byte_symbols() -> list[str]:
-    """The byte-level alphabet in byte order (GPT-2's bytes_to_unicode): printable bytes stand for
-    themselves and the rest are shifted past U+0100, which keeps every symbol a visible character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, shift = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[byte] = chr(byte)
-        else:
-            symbols[byte] = chr(256 + shift)
-            shift += 1
-    return [symbols[byte] for byte in range(256)]
-
-
 def _pre_tokenizer() -> pre_tokenizers.ByteLevel:
     # No prefix space: decode(encode(text)) must give text back unchanged.
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -190,7 +164,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         )
     specials = [SPECIAL_TOKENS.get(i, f"<unused{i}>") for i in range(_SPECIAL_BLOCK)]
     vocab = {token: i for i, token in enumerate(specials)}
-    for byte, symbol in enumerate(_byte_symbols()):
+    for byte, symbol in enumerate(byte_symbols()):
         vocab[symbol] = _BYTE_BASE + byte
 
     merges = _learn_merges(vocab_size - len(vocab))
@@ -209,20 +183,6 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     # decode(skip_special_tokens=True); they already have their ids in the vocab.
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials + padding])
     return tokenizer
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A reader (or a crash) must never see a half-written file: write beside it, then rename over it.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-            # mkstemp creates the file private (0600); these files are meant to be shared like any other.
-            os.fchmod(handle.fileno(), 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int) -> None:
@@ -246,6 +206,6 @@ def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int) -> None:
         "model_max_length": _MODEL_MAX_LENGTH,
         "chat_template": GEMMA4_CHAT_TEMPLATE,
     }
-    _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
-    _write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(out / "chat_template.jinja", GEMMA4_CHAT_TEMPLATE)
+    write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
+    write_json(out / "tokenizer_config.json", config)
+    write_atomic(out / "chat_template.jinja", GEMMA4_CHAT_TEMPLATE)

@@ -127,8 +127,7 @@ def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, 
     ids = random_ids(spec, tokens, seed)
     host = host_from_checkpoint(ckpt, plan.context)
     dtype = torch.float32 if precision == "fp32" else torch.float16
-    engine = Engine([TorchChunk(m) for m in build_chunks(plan, ckpt, dtype)], host,
-                    context=plan.context, window=plan.window, prefill_batch=prefill_batch)
+    engine = Engine.from_chunks([TorchChunk(m) for m in build_chunks(plan, ckpt, dtype)], host)
     ours = run_engine(engine, ids, prompt_len)
     tables = {k: getattr(host, k) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     ref = oracle_logits(oracle_model(ckpt, tables), ids)
@@ -150,7 +149,7 @@ def verify_bundle(src, bundle, tokens: int = 64, precision: str = "fp16", seed: 
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
     ckpt = Checkpoint(src)
     ckpt.validate()
-    engine = open_engine(bundle, precision)
+    engine = open_engine(bundle, "mil", precision)
     if not 2 <= tokens <= engine.context:
         raise ValueError(f"--tokens {tokens}: must be in [2, context={engine.context}]")
     prompt_len = _prompt_len(prompt_len, tokens)

@@ -19,4 +19,6 @@ gemma-ane convert "$OUT/tiny-e2b" "$OUT/bundle" --bits 16 --context 128 --force 
   || { tail -20 "$OUT/convert.log"; exit 1; }
 gemma-ane inspect "$OUT/bundle"
 gemma-ane verify "$OUT/tiny-e2b" --bundle "$OUT/bundle" --tokens 96 --prompt-tokens 13
-gemma-ane generate "$OUT/bundle" -p "Hello, who are you?" --max-tokens 24 --seed 0 --backend mil
+# A random model's favourite token is a newline; a repetition penalty makes it show its (gibberish)
+# text instead. The last line is the timings: tokens and tok/s for the prompt and the generation.
+gemma-ane generate "$OUT/bundle" -p "Hello, who are you?" --max-tokens 24 --seed 0 --repetition-penalty 1.5 --backend mil

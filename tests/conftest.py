@@ -6,10 +6,20 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# Fixtures that convert a bundle (each conversion costs 30-60 s): every test that uses one, directly
+# or through another fixture, is slow. `pytest -m "not slow"` is the fast loop; CI runs everything.
+CONVERTING = {"tiny_bundle16", "tiny_bundle4"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if CONVERTING & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def e2b_config() -> dict:
-    """The real gemma-4-E2B-it config.json (SPEC §1)."""
+    """The real gemma-4-E2B-it config.json (CONTRACT §1)."""
     return json.loads((FIXTURES / "e2b_config.json").read_text())
 
 

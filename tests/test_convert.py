@@ -60,9 +60,9 @@ def bundle(request):
     return {**b, "bits": request.param}
 
 
-# The seed contract's functions map one to one onto checkpoint weights; the KV-only prefill
+# The published layout's functions map one to one onto checkpoint weights; the KV-only prefill
 # functions (a slice of the PLE projection, owning layers only) are checked in test_kv_prefill.
-SEED_FUNCTIONS = {"infer", "prefill_b8"}
+PUBLISHED_FUNCTIONS = {"infer", "prefill_b8"}
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_io_contract_read_back_from_the_packages(bundle, plan):
         assert desc.defaultFunctionName == "infer"
         assert sorted(f.name for f in desc.functions) == sorted(c["functions"])
         assert sorted(spec.mlProgram.functions) == sorted(c["functions"])
-        assert len(c["states"]) <= 2  # three states fail at predict on iPhone (SPEC §5)
+        assert len(c["states"]) <= 2  # three states fail at predict on iPhone (CONTRACT §5)
         for f in desc.functions:
             want = c["functions"][f.name]
             got_in = {x.name: feature(x, "multiArrayType") for x in f.input}
@@ -234,7 +234,7 @@ def test_4bit_linear_weights_are_lut_palettized(bundle4, plan, ckpt_np):
         package = bundle4["path"] / f"{chunk.name}.mlpackage"
         spec = load_spec(package)
         program = load_program(package)
-        for fname in SEED_FUNCTIONS & set(chunk.functions):
+        for fname in PUBLISHED_FUNCTIONS & set(chunk.functions):
             constexpr_total = sum(op.type == "constexpr_lut_to_dense" for op in proto_ops(spec, fname))
             seen = 0
             pymil_ops = {op.outputs[0].name: op for op in program.functions[fname].operations}
@@ -263,7 +263,7 @@ def test_4bit_linear_weights_are_lut_palettized(bundle4, plan, ckpt_np):
                 assert snr_db(ref, dense) > 15.0, (name, snr_db(ref, dense))
             assert seen == constexpr_total > 0, (chunk.name, fname)
             palettized += seen
-    # the tied LM head is palettized too (SPEC §5: all weights incl. the LM head)
+    # the tied LM head is palettized too (CONTRACT §5: all weights incl. the LM head)
     lm = [n for n, op in _linear_weights(load_spec(bundle4["path"] / "chunk_3.mlpackage"), "infer") if n.startswith("lm_head")]
     assert lm and lm[0].endswith("_palettized"), lm
     assert palettized > 50
@@ -284,7 +284,7 @@ def test_16bit_weights_are_dense_and_exact(bundle16, plan, ckpt_np):
         package = bundle16["path"] / f"{chunk.name}.mlpackage"
         spec = load_spec(package)
         program = load_program(package)
-        for fname in SEED_FUNCTIONS & set(chunk.functions):
+        for fname in PUBLISHED_FUNCTIONS & set(chunk.functions):
             assert not [op.type for op in proto_ops(spec, fname) if op.type.startswith("constexpr")]
             pymil_ops = {op.outputs[0].name: op for op in program.functions[fname].operations}
             linears = _linear_weights(spec, fname)
@@ -368,7 +368,7 @@ print("OK")
 # -- sidecars --------------------------------------------------------------------------------------
 
 def spec_int8(w: np.ndarray):
-    """SPEC §2, written out independently: scale = fp16(max|row|), q = clamp(round(w*127/scale))."""
+    """CONTRACT §2, written out independently: scale = fp16(max|row|), q = clamp(round(w*127/scale))."""
     w = w.astype(np.float64)
     scale = np.abs(w).max(axis=1).astype(np.float16)
     s = scale.astype(np.float64)
@@ -604,11 +604,16 @@ def test_bundle_is_readable_by_others(bundle16):
 
 # -- atomicity and --force -----------------------------------------------------------------------
 
-def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path):
+def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
+    from gemma_ane import convert as convert_mod
+
+    def failing_merge(paths, out):  # after chunk_1's functions are written
+        raise RuntimeError("injected failure in merge")
+
+    monkeypatch.setattr(convert_mod, "merge_functions", failing_merge)
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match="chunk_1.infer"):
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False,
-                _fail_after="chunk_1.infer")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
     assert not out.exists()
     assert _partials(tmp_path, "out") == []
     assert sorted(os.listdir(tmp_path)) == []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gemma_ane.checkpoint import Checkpoint
-from gemma_ane.engine import ContextOverflow, Engine
+from gemma_ane.engine import Engine
 from gemma_ane.graph import RMSNorm, TorchChunk, build_chunks
 from gemma_ane.spec import ChunkPlan
 from gemma_ane.verify import (FP16_MIN_COSINE, FP16_MIN_TOP1, compare, host_from_checkpoint, oracle_logits,
@@ -93,61 +93,3 @@ def test_rmsnorm_survives_fp16_activations():
     got = norm.half()(x.half()).float()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
-
-
-# -- the step driver's schedule, observed through a recording backend --------------------------
-
-class Recorder:
-    def __init__(self, name, log, outputs):
-        self.name, self.log, self.outputs = name, log, outputs
-
-    def reset_state(self):
-        self.log.append((self.name, "reset", None, None))
-
-    def predict(self, function, inputs):
-        T = inputs["hidden_states"].shape[1]
-        self.log.append((self.name, function, int(inputs.get("current_pos", [-1])[0]), T))
-        return self.outputs(T)
-
-
-def recording_engine(window=16, context=64, batch=8):
-    log, V, H, PL = [], 10, 4, 6
-    outs = {
-        "chunk_1": lambda T: {"hidden_states_out": np.zeros((1, T, H)), "per_layer_combined_out": np.zeros((1, T, PL))},
-        "chunk_2": lambda T: {"hidden_states_out": np.zeros((1, T, H))},
-        "chunk_3": lambda T: {"logits": np.zeros((1, 1, V))},
-    }
-    chunks = [Recorder(n, log, f) for n, f in outs.items()]
-
-    class Host:
-        rope = {}
-
-        def embed(self, ids):
-            return np.zeros((1, len(ids), H)), np.zeros((1, len(ids), PL))
-
-    return Engine(chunks, Host(), context=context, window=window, prefill_batch=batch), log
-
-
-def test_schedule_prefills_only_exact_batches_and_runs_head_once():
-    engine, log = recording_engine()
-    logits = engine.feed(np.arange(30))
-    assert len(logits) == 1
-    calls = [(n, f, p) for n, f, p, _ in log if n == "chunk_1"]
-    # batches at 0 and 8 stay inside the first ring pass (16); everything after is single steps
-    assert calls[:2] == [("chunk_1", "prefill_b8", 0), ("chunk_1", "prefill_b8", 8)]
-    assert all(f == "infer" for _, f, _ in calls[2:]) and len(calls) == 2 + 14
-    assert [e for e in log if e[0] == "chunk_3"] == [("chunk_3", "infer", 29, 1)]
-    # a prompt that ends exactly on a batch boundary still ends with one infer step
-    engine.reset(), log.clear()
-    engine.feed(np.arange(8))
-    assert [(f, p) for n, f, p, _ in log if n == "chunk_1"] == [("infer", p) for p in range(8)]
-
-
-def test_schedule_from_unaligned_position_and_overflow():
-    engine, log = recording_engine()
-    engine.feed([1, 2, 3])
-    log.clear()
-    engine.feed(np.arange(12))
-    assert [(f, p) for n, f, p, _ in log if n == "chunk_1"][:1] == [("prefill_b8", 3)]
-    with pytest.raises(ContextOverflow, match="exceed the context of 64"):
-        engine.feed(np.arange(50))

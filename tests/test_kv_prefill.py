@@ -18,7 +18,7 @@ def bundle(tiny_e2b, tmp_path_factory):
 
 
 def states(engine):
-    return [{k: v.astype(np.float32) for k, v in c.state.arrays.items()} for c in engine.chunks[:2]]
+    return [{k: v.astype(np.float32) for k, v in state.arrays.items()} for state in engine.states[:2]]
 
 
 def schedule(engine):
@@ -26,9 +26,9 @@ def schedule(engine):
     calls, c1 = [], engine.chunks[0]
     original = c1.predict
 
-    def predict(function, inputs):
+    def predict(function, inputs, state):
         calls.append((function, int(inputs["current_pos"][0])))
-        return original(function, inputs)
+        return original(function, inputs, state)
     c1.predict = predict
     return calls
 
@@ -36,7 +36,7 @@ def schedule(engine):
 @pytest.mark.parametrize("start,end", [(0, 70), (3, 61), (13, 100)])
 def test_states_and_logits_equal_token_by_token(bundle, tiny_e2b, start, end):
     ids = random_ids(Checkpoint(tiny_e2b).spec, 100, seed=start)
-    kv, ref = open_engine(bundle, "fp32"), open_engine(bundle, "fp32")
+    kv, ref = open_engine(bundle, "mil", "fp32"), open_engine(bundle, "mil", "fp32")
     ref.kv_batches, ref.prefill_batch = (), None  # the reference: one infer step per token
     calls = schedule(kv)
     for e in (kv, ref):
@@ -86,7 +86,7 @@ def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
 
 def test_seed_contract_path_agrees_where_it_is_exact(bundle, tiny_e2b):
     ids = random_ids(Checkpoint(tiny_e2b).spec, 16, seed=2)  # inside the first ring pass
-    kv, seed = open_engine(bundle, "fp32"), open_engine(bundle, "fp32")
+    kv, seed = open_engine(bundle, "mil", "fp32"), open_engine(bundle, "mil", "fp32")
     seed.kv_batches = ()
     calls = schedule(seed)
     a, b = kv.feed(ids)[-1], seed.feed(ids)[-1]

@@ -705,12 +705,12 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
 
 
 def test_bundle_default_function_is_infer(bundle16):
-    from gemma_ane.bundle import MILChunk
+    from gemma_ane.backend import MILBackend
 
-    chunk = MILChunk(bundle16 / "chunk_1.mlpackage")
-    assert set(chunk.functions) == {"infer", "prefill_b8", "prefill_kv_b8"}
+    chunk = MILBackend(bundle16 / "chunk_1.mlpackage")
+    assert list(chunk.interfaces) == ["infer", "prefill_b8", "prefill_kv_b8"]  # the default first
     assert MILModel(bundle16 / "chunk_1.mlpackage").function_name == "infer"
-    assert chunk.models["prefill_b8"].interface["inputs"]["hidden_states"]["shape"] == [1, 8, 64]
+    assert chunk.interfaces["prefill_b8"]["inputs"]["hidden_states"]["shape"] == [1, 8, 64]
 
 
 def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt):
@@ -719,7 +719,7 @@ def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt)
     from gemma_ane.bundle import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
-    engine = open_engine(bundle16, "fp16")
+    engine = open_engine(bundle16, "mil", "fp16")
     assert (engine.context, engine.window, engine.prefill_batch) == (CONTEXT, 16, 8)
     ids = random_ids(ckpt.spec, 96, seed=0)  # 96 positions: six passes of the 16-slot ring
     ours = run_engine(engine, ids, prompt_len=13)
@@ -767,7 +767,7 @@ def test_gqa_bundle_matches_the_graph_and_transformers(gqa16, tiny_gqa):
     from gemma_ane.verify import compare, random_ids, run_engine, verify_bundle
 
     ckpt = Checkpoint(tiny_gqa)
-    engine = open_engine(gqa16, "fp16")
+    engine = open_engine(gqa16, "mil", "fp16")
     assert (engine.window, engine.prefill_batch) == (8, 8)
     ids = random_ids(ckpt.spec, 96, seed=0)
     graph = compare(run_engine(engine, ids, 13), run_engine(graph_engine(ckpt, engine.host, torch.float16), ids, 13))
@@ -825,7 +825,7 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     assert palettized > 50
 
     ids = random_ids(ckpt.spec, 48, seed=0)
-    engines = {p: open_engine(bundle4, p) for p in ("fp32", "fp16")}
+    engines = {p: open_engine(bundle4, "mil", p) for p in ("fp32", "fp16")}
     ours = {p: run_engine(e, ids, prompt_len=13) for p, e in engines.items()}
     host = engines["fp16"].host
     same = run_engine(graph_engine(ckpt, host, torch.float32, replacements), ids, 13)
@@ -853,7 +853,7 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
     from gemma_ane.bundle import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
-    batched, single = open_engine(bundle16, precision), open_engine(bundle16, precision)
+    batched, single = open_engine(bundle16, "mil", precision), open_engine(bundle16, "mil", precision)
     single.prefill_batch = None
     calls = {"batched": [], "single": []}
     for key, engine in (("batched", batched), ("single", single)):
@@ -872,7 +872,7 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
     assert report["top1_agreement"] == 1.0, report
     assert report["min_cosine"] >= min_cosine, report
     for i in (0, 1):  # chunk_1 and chunk_2 hold the caches
-        sa, sb = batched.chunks[i].state.arrays, single.chunks[i].state.arrays
+        sa, sb = batched.states[i].arrays, single.states[i].arrays
         assert set(sa) == set(sb) == {"kv_cache_sliding", "kv_cache_full"}
         for name in sa:
             assert sa[name].any(), (i, name)
@@ -889,7 +889,7 @@ def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
     from gemma_ane.bundle import open_engine
     from gemma_ane.verify import random_ids
 
-    engine = open_engine(bundle16, "fp16")
+    engine = open_engine(bundle16, "mil", "fp16")
     chunk2 = engine.chunks[1]
     kept = []
     real = chunk2.predict
@@ -933,17 +933,17 @@ def test_palettized_weights_are_decompressed_once_per_package_and_not_kept_dense
     """At E2B size every dense copy is gigabytes: a weight shared by the package's functions is
     decompressed once, widened to fp32 once, and its fp16 dense form is not kept."""
     from gemma_ane import mil
-    from gemma_ane.bundle import MILChunk
+    from gemma_ane.mil import MILPackage
 
     calls = []
     real = mil.OPS["constexpr_lut_to_dense"]
     monkeypatch.setitem(mil.OPS, "constexpr_lut_to_dense", lambda **kw: calls.append(1) or real(**kw))
-    chunk = MILChunk(tiny_bundle4 / "chunk_2.mlpackage")
-    models = list(chunk.models.values())
+    chunk = MILPackage(tiny_bundle4 / "chunk_2.mlpackage")
+    models = list(chunk.functions.values())
     assert len(models) >= 3
     shared = models[0]._weights
     assert all(m._weights is shared for m in models)
-    program = chunk.models["infer"].package.program()
+    program = chunk.package.program()
     linear_weights = {(op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
                       for fn in program.functions.values() for op in fn.operations
                       if op.op_type == "linear" and op.inputs["weight"].op.op_type == "constexpr_lut_to_dense"}

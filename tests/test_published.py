@@ -1,4 +1,4 @@
-"""The seeds' published layout: argmax head, fp32 PLE norm file, all-pairs RoPE tables, no manifest.
+"""The published layout: argmax head, fp32 PLE norm file, all-pairs RoPE tables, no manifest.
 We reproduce it with `convert --layout published` and check that the runtime detects and runs it."""
 
 import warnings

@@ -23,7 +23,7 @@ import pytest
 
 import gemma_ane
 from gemma_ane.bundle import BundleError, load_host
-from gemma_ane.chat import ChatError, ChatTemplate, OutputParser, gemma4_prompt
+from gemma_ane.chat import ChatError, ChatTemplate, OutputParser
 from gemma_ane.cli import main
 from gemma_ane.engine import ContextOverflow
 from gemma_ane.sampling import SamplingError, SamplingParams
@@ -319,7 +319,7 @@ def test_discarded_tail_past_the_window_starts_over(model):
     a, b = "Once upon a time", "Once upon a tree"
     model.reset()
     model.generate(a, max_tokens=10, **GREEDY)
-    assert len(model.cached) > WINDOW
+    assert len(model.engine.tokens) > WINDOW
     restarted = model.generate(b, max_tokens=20, **GREEDY)
     assert restarted.reused_tokens == 0
     model.reset()
@@ -331,7 +331,7 @@ def test_follow_up_turn_reuses_the_conversation_and_matches_a_freshly_loaded_mod
     kw = dict(temperature=0, repetition_penalty=2.0, logprobs=3)
     model.reset()
     r1 = model.generate(messages=turn1, max_tokens=3, **kw)
-    cached = list(model.cached)
+    cached = list(model.engine.tokens)
     turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "ok"}]
     ids2 = model.prompt_ids(messages=turn2)
     assert ids2[:len(cached)] == cached, "precondition: the re-rendered answer tokenises as generated"
@@ -361,10 +361,10 @@ def test_a_failed_prefill_does_not_poison_the_cache(model, monkeypatch):
     chunk2 = model.engine.chunks[1]
     original = chunk2.predict
 
-    def failing(function, inputs):
+    def failing(function, inputs, state):
         if model.engine.position >= 30:  # after the ring has wrapped over the shared prefix
             raise RuntimeError("backend failure")
-        return original(function, inputs)
+        return original(function, inputs, state)
 
     monkeypatch.setattr(chunk2, "predict", failing)
     with pytest.raises(RuntimeError, match="backend failure"):
@@ -375,11 +375,11 @@ def test_a_failed_prefill_does_not_poison_the_cache(model, monkeypatch):
 
 
 def test_head_runs_only_where_a_token_is_needed(model, monkeypatch):
-    """SPEC §3: chunk_3 (the LM head, 262,144 logits at E2B size) runs for the last prompt token
+    """CONTRACT §3: chunk_3 (the LM head, 262,144 logits at E2B size) runs for the last prompt token
     and for each token still to be drawn, nothing more."""
     head = model.engine.chunks[2]
     original, calls = head.predict, []
-    monkeypatch.setattr(head, "predict", lambda f, x: calls.append(f) or original(f, x))
+    monkeypatch.setattr(head, "predict", lambda f, x, s: calls.append(f) or original(f, x, s))
     model.reset()
     r = model.generate("Once upon a time", raw=True, temperature=0, max_tokens=5)
     assert r.prompt_tokens == 11 and len(r.tokens) == 5
@@ -536,7 +536,6 @@ def test_chat_prompt_equals_transformers_apply_chat_template(model, hf_tok, name
                                           enable_thinking=thinking)
     assert model.template.source is not None, "the bundle ships a template: it must be the one rendered"
     assert model.template.render(messages, add_generation_prompt=True, enable_thinking=thinking) == expected
-    assert gemma4_prompt(messages, add_generation_prompt=True, enable_thinking=thinking) == expected
     assert model.prompt_ids(messages=messages, enable_thinking=thinking) == \
         hf_tok(expected, add_special_tokens=False)["input_ids"]
     if thinking:
@@ -560,8 +559,10 @@ def test_bundle_without_a_template_uses_the_builtin_formatter(bundle, tmp_path):
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
     template = _template(hf)
     assert template.source is None
-    for messages, thinking in CONVERSATIONS.values():
-        assert template.render(messages, True, thinking) == gemma4_prompt(messages, True, thinking)
+    # the built-in formatter against the real Gemma 4 template is tests/test_chat.py's job; here:
+    # a bundle without a template still renders Gemma 4 turns
+    got = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], True, False)
+    assert got == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
 
 
 @pytest.mark.parametrize("source", [
@@ -608,7 +609,7 @@ def test_missing_table_names_the_file(copy_bundle):
 
 
 def test_each_problem_is_reported_once(copy_bundle):
-    from gemma_ane.runtime import check_bundle
+    from gemma_ane.bundle import check_bundle
 
     b = copy_bundle()
     (b / "embed_tokens_q8.bin").unlink()
@@ -716,7 +717,7 @@ def test_unknown_backend_is_an_error(bundle):
 
 
 def test_auto_backend_says_which_it_picked(capsys):
-    from gemma_ane.runtime import pick_backend
+    from gemma_ane.backend import pick_backend
 
     picked = pick_backend("auto")
     assert picked == ("coreml" if platform.system() == "Darwin" else "mil")
@@ -794,7 +795,7 @@ def test_cli_chat_from_a_pipe(model, bundle, cli_model, monkeypatch, capsys):
         for ev in original(prompt, messages, **kw):
             yield ev
         turns.append({"messages": [dict(m) for m in messages], "thinking": kw.get("enable_thinking"),
-                      "reused": model._stats["reused_tokens"]})
+                      "reused": ev.reused_tokens})
 
     monkeypatch.setattr(model, "stream_generate", recording)
     script = "Hi\nok\n/reset\n/system Be brief.\n/think on\nWhy?\n/think maybe\n"

@@ -1,9 +1,10 @@
-"""The sampler's fp16 fast path against the plain fp32 path, and its ordering primitives."""
+"""The sampler: its distribution against transformers' logits processors, seeded draws against that
+distribution, the fp16 fast path against the plain fp32 path, and its ordering primitives."""
 
 import numpy as np
 import pytest
 
-from gemma_ane.sampling import Sampler, SamplingParams, _order_key, top_indices
+from gemma_ane.sampling import Sampler, SamplingError, SamplingParams, _order_key, top_indices
 
 
 def test_order_key_orders_every_fp16_value_exactly():
@@ -66,3 +67,127 @@ def test_sample_leaves_the_logits_alone():
     s.sample(x)
     s.sample(x.astype(np.float32))
     assert np.array_equal(x, before)
+
+
+# -- the distribution against transformers' own logits processors --------------------------------------------------
+
+def hf_distribution(x, params: SamplingParams, history=()) -> np.ndarray:
+    """The probabilities transformers samples from (dense, 0 where cut), by its own processors in the order
+    `generate` applies them. Presence and frequency penalties have no transformers processor: they are OpenAI's
+    formula, logit - presence * [count > 0] - frequency * count, applied after the repetition penalty as ours."""
+    torch = pytest.importorskip("torch")
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    seen = torch.tensor([list(history)], dtype=torch.long)
+    scores = torch.tensor(np.asarray(x, np.float32))[None]
+    if len(history):
+        scores = lp.RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))(seen, scores)
+    ids, counts = np.unique(np.asarray(history, np.int64), return_counts=True)
+    scores[0, ids] -= torch.tensor(params.presence_penalty + params.frequency_penalty * counts, dtype=torch.float32)
+    warpers = [lp.TemperatureLogitsWarper(float(params.temperature))]
+    warpers += [lp.TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [lp.TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    warpers += [lp.MinPLogitsWarper(params.min_p)] if params.min_p > 0 else []
+    for warp in warpers:
+        scores = warp(seen, scores)
+    return torch.softmax(scores.double(), -1)[0].numpy()  # float32's sum over 262,144 terms is off by ~4e-5
+
+
+def our_distribution(x, params: SamplingParams, history=()) -> np.ndarray:
+    """What `Sampler.choose` draws from, the same way dense."""
+    s = Sampler(params, history)
+    ids, probs = s.distribution(s.penalize(np.array(x, np.float32)))
+    dense = np.zeros(len(x))
+    dense[ids] = probs
+    return dense
+
+
+def _logits(name: str) -> np.ndarray:
+    rng = np.random.default_rng(3)
+    if name == "ties":  # groups of equal logits; every cut below falls between groups (see the test after)
+        return np.array([3, 1, 3, 2.5, 2.5, 1, 2.5, 0, -1, 0.5, 2, 2, -3, 1, 0, 0.25], np.float32)
+    if name == "near-ties":  # six top logits one float32 ulp apart, the larger at the lower id
+        x = rng.standard_normal(64).astype(np.float32)
+        x[[50, 41, 33, 20, 9, 2]] = np.float32(4) + np.arange(6, dtype=np.float32) * np.spacing(np.float32(4))
+        return x
+    x = (rng.standard_normal(int(name.split("-")[1])) * 2).astype(np.float32)
+    x[rng.choice(len(x), 20, replace=False)] += 8  # a few clear favourites, as real logits have
+    return x
+
+
+def _history(x: np.ndarray) -> list[int]:
+    """Tokens seen before: the best ones (so penalties move the cuts), a negative one (repetition's other rule),
+    a middling one, with counts 1 to 3 (so the frequency penalty differs from the presence penalty)."""
+    order = np.argsort(-x, kind="stable")
+    return [order[0]] + [order[1]] * 2 + [order[4]] * 3 + [order[-1]] * 2 + [order[len(x) // 2]]
+
+
+DISTRIBUTIONS = {
+    "temperature-0.6": dict(temperature=0.6),
+    "temperature-1.7": dict(temperature=1.7),
+    "top-k": dict(top_k=5),
+    "top-p": dict(top_p=0.7),
+    "min-p": dict(min_p=0.2),
+    "temperature-top-k-top-p-min-p": dict(temperature=0.7, top_k=7, top_p=0.8, min_p=0.05),
+    "repetition": dict(repetition_penalty=1.8),
+    "repetition-boost": dict(repetition_penalty=0.6),
+    "presence": dict(presence_penalty=1.5),
+    "frequency": dict(frequency_penalty=0.7),
+    "penalties-then-temperature-top-p-min-p": dict(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                                                   presence_penalty=0.4, frequency_penalty=-0.5),
+}
+
+
+@pytest.mark.parametrize("logits", ["ties", "near-ties", "random-1000", "random-262144"])
+@pytest.mark.parametrize("case", DISTRIBUTIONS, ids=list(DISTRIBUTIONS))
+def test_distribution_matches_transformers(case, logits):
+    x = _logits(logits)
+    params, history = SamplingParams(**DISTRIBUTIONS[case]), _history(x)
+    ours, want = our_distribution(x, params, history), hf_distribution(x, params, history)
+    assert np.flatnonzero(ours).tolist() == np.flatnonzero(want).tolist()  # the same tokens kept
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-12)
+
+
+def test_ties_at_a_cut_keep_the_lower_ids():
+    """Where a cut falls among equal logits, ours keeps exactly k tokens (top-k), or as many as the mass needs
+    (top-p), lower ids first, as `top_indices` orders everything. transformers keeps every tied token at a top-k
+    cut and the higher ids at a top-p cut: the same mass, other tokens."""
+    x = np.array([3, 1, 3, 2.5, 2.5, 1, 2.5, 0], np.float32)  # ids 3, 4, 6 tie
+    for params, ours, theirs in ((SamplingParams(top_k=4), [0, 2, 3, 4], [0, 2, 3, 4, 6]),
+                                 (SamplingParams(top_p=0.7), [0, 2, 3, 4], [0, 2, 4, 6])):
+        assert np.flatnonzero(our_distribution(x, params)).tolist() == ours
+        assert np.flatnonzero(hf_distribution(x, params)).tolist() == theirs
+
+
+# Top-p and min-p both cut the same ranking, so only the tighter one binds: one case each.
+@pytest.mark.parametrize("dtype,params", [
+    (np.float32, dict(temperature=0.8, top_p=0.9, min_p=0.05)),  # the plain path; min-p binds
+    (np.float16, dict(temperature=1.3, top_k=12, top_p=0.95, min_p=0.02, repetition_penalty=1.5,
+                      presence_penalty=0.5, frequency_penalty=0.3)),  # the fp16 top-k path, its own code; top-p binds
+], ids=["fp32-min-p", "fp16-top-k-top-p-penalised"])
+def test_seeded_draws_follow_the_distribution(dtype, params):
+    """20,000 draws against transformers' distribution: Pearson's chi-square, p-value from scipy."""
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1000).astype(np.float32)
+    top = rng.choice(1000, 16, replace=False)
+    x[top] += 4 + rng.standard_normal(16)
+    x = x.astype(dtype)
+    history = [top[0], top[1], top[1], top[2]]
+    want = hf_distribution(x.astype(np.float32), SamplingParams(**params), history)
+    s = Sampler(SamplingParams(seed=0, **params), history)
+    draws = np.array([s.sample(x) for _ in range(20000)])
+    kept = np.flatnonzero(want)
+    assert set(draws.tolist()) <= set(kept.tolist())
+    observed, expected = np.bincount(draws, minlength=len(x))[kept], want[kept] * len(draws)
+    assert len(kept) > 5 and expected.min() >= 5  # the test's own premise: enough bins, each well filled
+    assert stats.chisquare(observed, expected * (len(draws) / expected.sum())).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("name,value", [
+    ("temperature", -1), ("top_k", 1.5), ("top_p", 0), ("min_p", 2), ("repetition_penalty", 0),
+    ("presence_penalty", 3), ("frequency_penalty", "x"), ("seed", -1), ("logprobs", 21), ("top_q", 0.5),
+])
+def test_errors_name_the_parameter(name, value):
+    with pytest.raises(SamplingError) as e:
+        SamplingParams.from_generation_config({}, **{name: value})
+    assert e.value.param == name and name in str(e.value)

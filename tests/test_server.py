@@ -208,7 +208,8 @@ def test_completions_raw_prompt(server, client):
 
 def test_chat_logprobs(server, client):
     m = msgs("hello")
-    r = client.chat.completions.create(model=NAME, messages=m, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(model=NAME, messages=m, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
     want = server.reference.generate(messages=m, max_tokens=6, temperature=0, logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -512,7 +513,8 @@ def test_serve_argument_errors_are_one_line(tmp_path):
     for args, needle in (([str(tmp_path / "missing")], "not a bundle directory"),
                          ([str(tmp_path), "--max-queue", "-1"], "max_queue"),
                          ([str(tmp_path), "--port", "70000"], "port")):
-        r = subprocess.run([sys.executable, "-m", "gemma_ane.server", *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "gemma_ane.server", *args], capture_output=True, text=True,
+                           timeout=60)
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -579,13 +581,22 @@ def test_token_bytes_of_a_byte_fallback_piece():
     assert vocab(7) == ("\ufffd", [0xC3]) and vocab(8) == ("é", [0xC3, 0xA9])
 
 
+def test_token_bytes_of_every_byte_level_piece():
+    from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+
+    vocab = Vocab(build_tokenizer(MIN_VOCAB_SIZE))  # ids 128..383 spell the bytes 0..255, in the GPT-2 alphabet
+    assert [vocab(128 + b)[1] for b in range(256)] == [[b] for b in range(256)]
+
+
 def test_reasoning_on_the_message_and_in_stream_deltas(fake_client):
     model = FakeModel(THOUGHT)
     http, client = fake_client(model)
     with http:
-        r = client.chat.completions.create(model="fake", messages=M, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        r = client.chat.completions.create(model="fake", messages=M,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
         msg = r.choices[0].message
-        assert (msg.content, msg.reasoning_content, r.choices[0].finish_reason) == ("Hello world", "Let me think. Done.", "stop")
+        assert (msg.content, msg.reasoning_content, r.choices[0].finish_reason) == \
+            ("Hello world", "Let me think. Done.", "stop")
         assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 7
 
         deltas = [c.choices[0].delta for c in client.chat.completions.create(
@@ -618,7 +629,8 @@ def test_a_failing_generation_is_an_error_not_a_traceback(fake_client):
         with pytest.raises(OpenAIAPIError):
             stream_text(client.chat.completions.create(model="fake", messages=M, stream=True))
         model.script = THOUGHT  # the worker survives and serves the next request
-        assert http.post("/v1/chat/completions", json={"messages": M}).json()["choices"][0]["message"]["content"] == "Hello world"
+        r = http.post("/v1/chat/completions", json={"messages": M})
+        assert r.json()["choices"][0]["message"]["content"] == "Hello world"
 
 
 def test_an_unexpected_exception_is_a_500_in_openai_shape(fake_client):

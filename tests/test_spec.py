@@ -65,6 +65,28 @@ def test_transformers_saved_config_is_read(tiny_e2b):
     assert s.head_dims == tuple(hf.per_layer_config[i].head_dim for i in range(s.num_layers))
 
 
+@pytest.mark.parametrize("change", [
+    {},  # global_head_dim on the full layers
+    {"attention_k_eq_v": True, "num_global_key_value_heads": 2},  # K=V full layers take their own KV heads...
+    {"attention_k_eq_v": False, "num_global_key_value_heads": 2},  # ...which only apply with K=V
+    {"layer_types": None},  # the default 5:1 pattern
+    {"layer_types": ([SLIDING] * 4 + [FULL]) * 6 + [SLIDING] * 5},  # the last layer is forced to full
+    "per_layer_config",  # the form transformers writes, K=V heads included
+])
+def test_layer_shapes_match_transformers(e2b_config, change):
+    text = copy.deepcopy(e2b_config["text_config"])
+    if change == "per_layer_config":
+        text.update(attention_k_eq_v=True, num_global_key_value_heads=2)
+        text = {**hf_text_config(text).to_dict(), "model_type": "gemma4_text"}
+        assert "per_layer_config" in text and "global_head_dim" not in text
+    else:
+        text.update(change)
+    s, hf = ModelSpec.from_config(text), hf_text_config(text)
+    assert list(s.layer_types) == hf.layer_types
+    layers = [hf.per_layer_config[i] for i in range(s.num_layers)]
+    assert list(zip(s.head_dims, s.kv_heads)) == [(c.head_dim, c.num_key_value_heads) for c in layers]
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("enable_moe_block", True, "enable_moe_block"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
@@ -81,6 +103,16 @@ def test_transformers_saved_config_is_read(tiny_e2b):
     ("per_layer_config", {"04": {"head_dim": None}}, "per_layer_config\\['04'\\].head_dim"),
     ("rope_parameters", {"sliding_attention": {"rope_theta": None}, "full_attention": {"rope_theta": 1e6}}, "rope_theta=None"),
     ("rope_parameters", {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "proportional", "partial_rotary_factor": "x", "rope_theta": 1e6}}, "partial_rotary_factor='x'"),
+    ("rope_parameters", {SLIDING: {"rope_theta": 1e4, "factor": 8.0}, FULL: {"rope_theta": 1e6}}, "RoPE scaling"),
+    ("head_dim", 255, "layer 0: head_dim=255 must be even"),
+    ("per_layer_config", {"04": {"head_dim": 512}}, "full_attention have different head dims \\[256, 512\\]"),
+    ("per_layer_config", {"x": {}}, "key 'x' is not a layer index"),
+    ("per_layer_config", {"04": {"sliding_window": 4}}, "\\['04'\\].sliding_window: per-layer override"),
+    ("per_layer_config", {"34": {"num_key_value_heads": 2}}, "layer 34: .* head shape differs from its producer 14"),
+    ("layer_types", [SLIDING] * 35, "layer 34 \\(full_attention\\) is KV-shared but no earlier layer"),
+    ("vocab_size_per_layer_input", 1024, "must equal vocab_size=262144"),
+    ("tie_word_embeddings", False, "tie_word_embeddings=false"),
+    ("eos_token_id", [], "eos_token_id: empty"),
 ])
 def test_unsupported_configs_name_the_field(e2b_config, field, value, needle):
     cfg = copy.deepcopy(e2b_config)
@@ -170,6 +202,33 @@ def test_plan_options_and_errors(e2b_config):
         ChunkPlan.build(spec, split=(25, 8))
     with pytest.raises(ConfigError, match="prefill_batch"):
         ChunkPlan.build(spec, prefill_batch=0)
+    with pytest.raises(ConfigError, match="chunk_2 would own no KV cache; need a < 15"):
+        ChunkPlan.build(spec, split=(15, 25))
+    with pytest.raises(ConfigError, match="context=2048.0: must be a positive integer"):
+        ChunkPlan.build(spec, context=2048.0)
+    with pytest.raises(ConfigError, match="kv prefill batch 3: must be an integer >= 2 that divides the window"):
+        ChunkPlan.build(spec, kv_batches=(8, 3))
+    with pytest.raises(ConfigError, match="head='argmax'"):
+        ChunkPlan.build(spec, head="argmax")
+
+
+def test_e2b_kv_only_prefill_and_argmax_head(e2b_config):
+    plan = ChunkPlan.build(ModelSpec.from_config(e2b_config), kv_batches=(8, 16, 8), head="token_id")
+    stateful = ["infer", "prefill_b8", "prefill_kv_b16", "prefill_kv_b8"]
+    assert [list(c.functions) for c in plan.chunks] == [stateful, stateful, ["infer"]]
+    own = 15 * 256  # PLE of the 15 cache-owning layers only
+    rope = {"cos_s": t((1, 1, 16, 256)), "sin_s": t((1, 1, 16, 256)),
+            "cos_f": t((1, 1, 16, 512)), "sin_f": t((1, 1, 16, 512))}
+    host = {"hidden_states": t((1, 16, 1536)), "causal_mask_full": t((1, 1, 16, 2048)),
+            "causal_mask_sliding": t((1, 1, 16, 512 + 16)),  # [ring as it was | the batch]
+            **rope, "current_pos": t((1,), "int32"), "ring_pos": t((1,), "int32")}
+    assert io(plan, 0, "prefill_kv_b16") == {"inputs": {**host, "per_layer_raw": t((1, 16, own))},
+                                             "outputs": {"hidden_states_out": t((1, 16, 1536)),
+                                                         "per_layer_combined_out": t((1, 16, own))}}
+    assert io(plan, 1, "prefill_kv_b16") == {"inputs": {**host, "per_layer_combined": t((1, 16, own))},
+                                             "outputs": {"hidden_states_out": t((1, 16, 1536))}}
+    assert plan.chunks[1].functions["prefill_kv_b16"]["kv_only"] and "kv_only" not in plan.chunks[1].functions["infer"]
+    assert io(plan, 2, "infer")["outputs"] == {"token_id": t((1,), "int32"), "token_logit": t((1,))}
 
 
 def test_default_split_for_other_depths(tiny_e2b, tiny_gqa):

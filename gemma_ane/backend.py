@@ -1,0 +1,137 @@
+"""Chunk backends: the one contract every way of running a chunk meets.
+
+The engine drives three chunks and never knows what runs them: Core ML on macOS, the MIL executor
+anywhere, or (for verification) the PyTorch graph in `graph.TorchChunk`. Each is a `ChunkBackend`:
+it states its functions and their I/O, makes fresh states, and predicts. The state lives outside
+the backend, as Core ML's `MLState` does, so the engine owns the caches it drives (and can reset
+or, later, snapshot them) whatever the backend.
+
+Torch-free: this is the runtime side.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .bundle import BundleError
+from .package import Package
+
+# An interface: {"inputs": {...}, "outputs": {...}, "states": {...}}, each name -> {"shape": [..], "dtype": "float16"}
+Interface = dict
+
+BACKENDS = ("auto", "coreml", "mil")
+COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
+
+
+class BackendError(BundleError):
+    """A backend that cannot be opened here, or a chunk it cannot run; the message says which."""
+
+
+class ChunkBackend(Protocol):
+    """One chunk package, as every backend presents it.
+
+    - `name`: the chunk's name (`chunk_1`, ...), for messages;
+    - `interfaces`: function name -> Interface, read from the model itself (never from our plan),
+      the default function first;
+    - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
+      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
+    - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
+      float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name.
+    """
+
+    name: str
+    interfaces: dict[str, Interface]
+
+    def make_state(self) -> Any: ...
+
+    def predict(self, function: str, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
+
+
+def cast_inputs(interface: Interface, inputs: dict) -> dict:
+    """The declared inputs, each cast to its declared dtype (extra keys are not passed on)."""
+    return {n: np.asarray(inputs[n]).astype(t["dtype"], copy=False) for n, t in interface["inputs"].items()}
+
+
+def function_of(chunk: ChunkBackend, function: str) -> Interface:
+    if function not in chunk.interfaces:
+        raise BackendError(f"{chunk.name}: no function {function!r} (has {', '.join(chunk.interfaces)})")
+    return chunk.interfaces[function]
+
+
+class MILBackend:
+    """A package run by our MIL executor: its functions loaded together, sharing weights."""
+
+    def __init__(self, path: Path, precision: str = "fp16"):
+        from .mil import MILPackage
+
+        self.package = MILPackage(path, precision)
+        self.name = Path(path).name.split(".")[0]
+        self.interfaces = {f: m.interface for f, m in self.package.functions.items()}
+
+    def make_state(self):
+        return self.package.make_state()
+
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        io = function_of(self, function)
+        return self.package.functions[function].predict(cast_inputs(io, inputs), state=state)
+
+
+class CoreMLBackend:
+    """A package run by Core ML (macOS): one MLModel per function, sharing one MLState."""
+
+    def __init__(self, path: Path, compute_units: str = "cpu_and_ne"):
+        import coremltools as ct
+
+        if compute_units not in COMPUTE_UNITS:
+            raise BackendError(f"compute_units={compute_units!r}: choose one of {', '.join(COMPUTE_UNITS)}")
+        path = Path(path)
+        self.name = path.name.split(".")[0]
+        self.interfaces = read_interfaces(path)
+        units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        opener = ct.models.CompiledMLModel if path.suffix == ".mlmodelc" else ct.models.MLModel
+        self.models = {f: opener(str(path), compute_units=units, function_name=f) for f in self.interfaces}
+
+    def make_state(self):
+        first = next(iter(self.interfaces))
+        return self.models[first].make_state() if self.interfaces[first]["states"] else None
+
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        feed = cast_inputs(function_of(self, function), inputs)
+        model = self.models[function]
+        return model.predict(feed, state=state) if state is not None else model.predict(feed)
+
+
+def read_interfaces(path: Path) -> dict[str, Interface]:
+    """Every function's interface, from the package's own model description, default first."""
+    path = Path(path)
+    if path.suffix == ".mlmodelc":
+        raise BackendError(f"{path}: reading a compiled model's interface is not supported; "
+                           "use the .mlpackage (convert --no-compile)")
+    package = Package.open(path)
+    names = [package.default_function] + [f for f in package.function_names if f != package.default_function]
+    return {f: package.interface(f) for f in names}
+
+
+def pick_backend(backend: str) -> str:
+    """`auto` is Core ML on macOS and the MIL executor elsewhere (and says which it picked)."""
+    if backend not in BACKENDS:
+        raise BackendError(f"backend={backend!r}: choose {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "coreml" if platform.system() == "Darwin" else "mil"
+        print(f"backend: {backend} ({'Core ML' if backend == 'coreml' else 'MIL executor'})", file=sys.stderr)
+    if backend == "coreml" and platform.system() != "Darwin":
+        raise BackendError("backend=coreml: Core ML prediction needs macOS; use backend='mil' (the MIL executor)")
+    return backend
+
+
+def open_chunks(paths: list[Path], backend: str, precision: str = "fp16",
+                compute_units: str = "cpu_and_ne") -> list[ChunkBackend]:
+    """One backend per chunk package, in order; `backend` is "mil" or "coreml" (see pick_backend)."""
+    if backend == "mil":
+        return [MILBackend(p, precision) for p in paths]
+    return [CoreMLBackend(p, compute_units) for p in paths]

@@ -1,0 +1,89 @@
+"""Reading and writing the small files of checkpoints and bundles: JSON, hashes, atomic writes.
+
+Every write is whole or absent: a reader (or a crash) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class FileFormatError(ValueError):
+    """A file that cannot be read as what it should be, or written where it should go; the
+    message names the file."""
+
+
+def read_json(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FileFormatError(f"{path}: unreadable JSON ({e})") from None
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` beside `path`, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            os.fchmod(handle.fileno(), 0o644)  # mkstemp makes it private; these files are shared
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def tree_size(path: str | Path) -> int:
+    """Bytes of a file, or of every file below a directory (a package or a bundle)."""
+    path = Path(path)
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+@contextmanager
+def building(out: str | Path):
+    """Yield a hidden sibling directory of `out` to fill. On success it replaces `out` (one rename,
+    and files readable as any other's); on any failure, Ctrl-C included, it is removed and `out`
+    is left as it was."""
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise FileFormatError(f"{out}: cannot write here ({e.strerror or e})") from None
+    try:
+        yield tmp
+        _make_shareable(tmp)  # mkdtemp (and coremltools) create private files
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _make_shareable(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for p in root.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)

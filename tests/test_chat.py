@@ -1,0 +1,145 @@
+"""The chat prompt against transformers' apply_chat_template, both rendering Google's own Gemma 4 template.
+
+tests/fixtures/gemma4_chat_template.jinja is the chat_template.jinja of google/gemma-4-E2B-it (the revision
+whose header reads "Published: 2026-07-09": null handling, reasoning replay, turn-tag balance), byte for byte
+as vendored by ollama/ollama in model/renderers/testdata/gemma4_e2b_chat_template.jinja2 at commit 8a0016f82
+("model: align gemma4 chat template handling", 2026-07-14), the file its renderer tests are checked against.
+E4B-it ships the same text; the 26B/31B template differs only in closing an empty thought channel when
+thinking is off. The file is kept verbatim, so its provenance lives here, pinned by its SHA-256.
+
+Only a tokenizer is needed: transformers renders with a PreTrainedTokenizerFast built from the tiny
+tokenizer, whose <bos>/<eos> are Gemma 4's.
+"""
+
+import copy
+import hashlib
+from pathlib import Path
+
+import pytest
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerFast
+
+from gemma_ane.chat import ChatError, ChatTemplate, gemma4_prompt
+from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+
+TEMPLATE = Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja"
+TEMPLATE_SHA256 = "3beb16a140a78c7bf71cd86609f58e56f1594e670e95fe58bd6022f941d1cb1e"
+SOURCE = TEMPLATE.read_text()
+
+
+def system(content):
+    return {"role": "system", "content": content}
+
+
+def user(content):
+    return {"role": "user", "content": content}
+
+
+def assistant(content, **fields):
+    return {"role": "assistant", "content": content, **fields}
+
+
+def parts(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+# name -> (messages, a piece of the real template's output that shows the case does what it is named for)
+CASES = {
+    "user": ([user("Hi")], "<|turn>user\nHi<turn|>\n"),
+    "system": ([system("You are a helpful assistant."), user("What is the capital of France?")],
+               "<|turn>system\n"),
+    "multi-turn": ([user("Hi"), assistant("Hello! How can I help?"), user("Tell me a story."),
+                    assistant("Once upon a time..."), user("Thank you.")],
+                   "<|turn>model\nOnce upon a time...<turn|>\n<|turn>user\nThank you.<turn|>\n"),
+    "system-multi-turn": ([system("Be brief."), user("Why?"), assistant("Because."), user("ok")],
+                          "Be brief.<turn|>\n<|turn>user\nWhy?<turn|>\n<|turn>model\nBecause.<turn|>\n"),
+    "ends-with-assistant": ([user("Count on: 1, 2,"), assistant(" 3, ")], "<|turn>model\n3,<turn|>\n"),
+    # reasoning is replayed only after the last user turn: "4" follows its opener directly
+    "reasoning": ([user("2+2?"), assistant("4", reasoning_content="Add them."), user("And 3+3?"),
+                   assistant("6", reasoning_content="Add again.")],
+                  ("<|turn>model\n4<turn|>\n<|turn>user\nAnd 3+3?<turn|>\n"
+                   "<|turn>model\n<|channel>thought\nAdd again.\n<channel|>6<turn|>\n")),
+    "reasoning-field": ([user("2+2?"), assistant("4", reasoning="Add them.")],
+                        "<|channel>thought\nAdd them.\n<channel|>4<turn|>\n"),
+    "thought-in-content": ([user("Hi"), assistant("<|channel>thought\nGreet back.<channel|>Hello!"), user("Bye")],
+                           "<|turn>model\nHello!<turn|>\n"),
+    "text-parts": ([system(parts("Be ", "brief.")), user(parts("Hello ", " world"))],
+                   "Be brief. <turn|>\n<|turn>user\nHelloworld<turn|>\n"),
+    "consecutive-assistants": ([user("Hi"), assistant("Part one."), assistant("Part two.")],
+                               "<|turn>model\nPart one.Part two.<turn|>\n"),
+    "model-role": ([user("Hi"), {"role": "model", "content": "Hello"}, user("Bye")], "<|turn>model\nHello<turn|>\n"),
+    "later-system": ([user("Hi"), system("Now be formal."), user("Hello")],
+                     "<|turn>user\nHi<turn|>\n<|turn>system\nNow be formal.<turn|>\n"),
+    "whitespace": ([system("\n  Be brief.  \n"), user("  Hi\n\n")], "Be brief.<turn|>\n<|turn>user\nHi<turn|>\n"),
+    "empty-content": ([user("Hi"), assistant(None), user("Hi?")], "<|turn>model\n<turn|>\n"),
+}
+RENDERINGS = [(name, gen, think) for name in CASES for gen in (True, False) for think in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(MIN_VOCAB_SIZE), bos_token="<bos>",
+                                   eos_token="<eos>", chat_template=SOURCE)
+
+
+@pytest.fixture(scope="module")
+def template():
+    return ChatTemplate(SOURCE)  # compiling 18 kB of Jinja takes a noticeable part of a second
+
+
+@pytest.fixture(params=RENDERINGS, ids=[f"{n}-{'gen' if g else 'nogen'}-{'think' if t else 'nothink'}"
+                                        for n, g, t in RENDERINGS])
+def case(request, hf_tok):
+    """(messages, add_generation_prompt, enable_thinking, what transformers renders)."""
+    name, gen, think = request.param
+    messages, shows = CASES[name]
+    expected = hf_tok.apply_chat_template(copy.deepcopy(messages), tokenize=False, add_generation_prompt=gen,
+                                          enable_thinking=think)
+    assert shows in expected, "precondition: the real template renders what the case is named for"
+    assert ("<|turn>system\n<|think|>\n" in expected) == think
+    assert expected.endswith("<|turn>model\n") == gen
+    return messages, gen, think, expected
+
+
+def test_fixture_is_googles_template():
+    assert hashlib.sha256(TEMPLATE.read_bytes()).hexdigest() == TEMPLATE_SHA256, "the fixture must stay verbatim"
+
+
+def test_template_renders_as_transformers_does(template, case):
+    messages, gen, think, expected = case
+    assert template.render(messages, add_generation_prompt=gen, enable_thinking=think) == expected
+
+
+def test_builtin_formatter_renders_as_the_real_template(case):
+    """A bundle without a template gets gemma4_prompt, which must give what Google's template gives."""
+    messages, gen, think, expected = case
+    assert gemma4_prompt(messages, add_generation_prompt=gen, enable_thinking=think) == expected
+    assert ChatTemplate(None).render(messages, add_generation_prompt=gen, enable_thinking=think) == expected
+
+
+def test_tags_without_whitespace_control_render_as_in_transformers(hf_tok):
+    """Gemma 4's template trims every tag itself; others rely on the environment's trim_blocks/lstrip_blocks."""
+    source = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}"
+    messages = [user("a"), assistant("b"), user("c")]
+    expected = hf_tok.apply_chat_template(messages, chat_template=source, tokenize=False)
+    assert expected == "[a]\n[c]\n"
+    assert ChatTemplate(source).render(messages) == expected
+
+
+def test_template_exception_is_a_chat_error_with_its_message(template, hf_tok):
+    messages = [user("Weather?"), assistant("", tool_calls=[{"function": {"name": "weather", "arguments": "{}"}}])]
+    with pytest.raises(TemplateError, match="must be a JSON object"):
+        hf_tok.apply_chat_template(copy.deepcopy(messages), tokenize=False)
+    with pytest.raises(ChatError, match="must be a JSON object"):
+        template.render(messages)
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([user("Hi"), {"role": "tool", "content": "42"}], "unknown role 'tool'"),
+    ([{"content": "Hi"}], "unknown role None"),
+    ([user([{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is this?"}])], "text-only"),
+    ([user(42)], "string or a list of text parts"),
+])
+def test_builtin_formatter_refuses_what_it_cannot_render(messages, error):
+    with pytest.raises(ChatError, match=error):
+        gemma4_prompt(messages)

@@ -1,0 +1,111 @@
+"""The step driver and its cache rules, observed through a recording backend: which function runs
+at which position, and what a new prompt may reuse. Backend-agnostic, so these hold for all."""
+
+import numpy as np
+import pytest
+
+from gemma_ane.engine import ContextOverflow, Engine
+
+class Recorder:
+    def __init__(self, name, log, outputs):
+        self.name, self.log, self.outputs = name, log, outputs
+        types = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs(1).items()}
+        self.interfaces = {"infer": {"inputs": {}, "outputs": types, "states": {}}}
+
+    def make_state(self):
+        return None
+
+    def predict(self, function, inputs, state):
+        T = inputs["hidden_states"].shape[1]
+        self.log.append((self.name, function, int(inputs.get("current_pos", [-1])[0]), T))
+        return self.outputs(T)
+
+
+def recording_engine(window=16, context=64, batch=8):
+    log, V, H, PL = [], 10, 4, 6
+    outs = {
+        "chunk_1": lambda T: {"hidden_states_out": np.zeros((1, T, H)), "per_layer_combined_out": np.zeros((1, T, PL))},
+        "chunk_2": lambda T: {"hidden_states_out": np.zeros((1, T, H))},
+        "chunk_3": lambda T: {"logits": np.zeros((1, 1, V))},
+    }
+    chunks = [Recorder(n, log, f) for n, f in outs.items()]
+
+    class Host:
+        rope = {}
+
+        def embed(self, ids):
+            return np.zeros((1, len(ids), H)), np.zeros((1, len(ids), PL))
+
+    return Engine(chunks, Host(), context=context, window=window, prefill_batch=batch), log
+
+
+def test_schedule_prefills_only_exact_batches_and_runs_head_once():
+    engine, log = recording_engine()
+    logits = engine.feed(np.arange(30))
+    assert len(logits) == 1
+    calls = [(n, f, p) for n, f, p, _ in log if n == "chunk_1"]
+    # batches at 0 and 8 stay inside the first ring pass (16); everything after is single steps
+    assert calls[:2] == [("chunk_1", "prefill_b8", 0), ("chunk_1", "prefill_b8", 8)]
+    assert all(f == "infer" for _, f, _ in calls[2:]) and len(calls) == 2 + 14
+    assert [e for e in log if e[0] == "chunk_3"] == [("chunk_3", "infer", 29, 1)]
+    # a prompt that ends exactly on a batch boundary still ends with one infer step
+    engine.reset(), log.clear()
+    engine.feed(np.arange(8))
+    assert [(f, p) for n, f, p, _ in log if n == "chunk_1"] == [("infer", p) for p in range(8)]
+
+
+def test_schedule_from_unaligned_position_and_overflow():
+    engine, log = recording_engine()
+    engine.feed([1, 2, 3])
+    log.clear()
+    engine.feed(np.arange(12))
+    assert [(f, p) for n, f, p, _ in log if n == "chunk_1"][:1] == [("prefill_b8", 3)]
+    with pytest.raises(ContextOverflow, match="exceed the context of 64"):
+        engine.feed(np.arange(50))
+
+
+# -- the cache rules -------------------------------------------------------------------------------
+
+def test_reuse_keeps_the_steps_a_fresh_run_would_take():
+    engine, log = recording_engine(window=16, context=64)
+    engine.feed(np.arange(12))  # prefill_b8 at 0, then infer at 8-11
+    fresh = engine.plan(0, 12)
+    assert engine.history == [(p, f, T) for p, (f, T) in zip(np.cumsum([0] + [T for _, T in fresh])[:-1], fresh)]
+    # the same prompt again: every step but the last token's is kept, and only it runs again
+    log.clear()
+    assert engine.reuse(list(range(12))) == 11
+    assert engine.position == 11 and engine.tokens == list(range(11))
+    engine.feed([11])
+    assert [(f, p) for n, f, p, _ in log if n == "chunk_1"] == [("infer", 11)]
+
+
+def test_reuse_stops_at_the_first_different_token_and_where_the_steps_differ():
+    engine, _ = recording_engine(window=16, context=64)
+    engine.feed(np.arange(10))  # prefill_b8 at 0, infer at 8 and 9
+    assert engine.reuse([0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 100, 101]) == 9  # first difference at index 9
+    engine.reset()
+    engine.feed(np.arange(4))  # infer x4: a fresh run of a longer prompt batches 0-7 instead
+    assert engine.reuse(list(range(12))) == 0
+    assert engine.position == 0 and engine.tokens == [] and engine.history == []
+
+
+def test_reuse_refuses_a_rewind_over_a_wrapped_ring():
+    engine, _ = recording_engine(window=16, context=64)
+    ids = list(range(20))
+    engine.feed(ids)  # position 19 overwrote ring slot 3: a prefix of 10 needs slots 0-9 intact
+    assert engine.reuse(ids[:10] + [99] * 5) == 0
+    engine.reset()
+    engine.feed(ids[:15])  # nothing wrapped: rewinding to 10 is exact
+    assert engine.reuse(ids[:10] + [99] * 5) == 10
+    assert engine.tokens == ids[:10] and engine.position == 10
+
+
+def test_a_failed_step_resets_the_caches():
+    engine, _ = recording_engine()
+    engine.feed(np.arange(5))
+    chunk2 = engine.chunks[1]
+    chunk2.outputs, outputs = None, chunk2.outputs  # the next call fails inside the backend
+    with pytest.raises(TypeError):
+        engine.feed([5, 6])
+    chunk2.outputs = outputs
+    assert engine.position == 0 and engine.tokens == [] and engine.history == []
