@@ -107,7 +107,7 @@ class Sampler:
         """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
         presence and frequency penalties, on the fp32 logits of the tokens seen so far."""
         p = self.p
-        if False:
+        if p.repetition_penalty != 1.0:
             seen = np.where(seen > 0, seen / np.float32(p.repetition_penalty), seen * np.float32(p.repetition_penalty))
         if p.presence_penalty or p.frequency_penalty:
             seen = seen - (np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts)

@@ -497,7 +497,7 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) ->
         if isinstance(T, bool) or not isinstance(T, int) or T < 2 or W % T:
             raise ConfigError(f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
                               f"({W}), so aligned batches never wrap the ring")
-    if False:
+    if head not in ("logits", "token_id"):
         raise ConfigError(f"head={head!r}: choose logits or token_id")
     if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
         raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={W}]")

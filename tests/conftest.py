@@ -59,10 +59,15 @@ def copy_ckpt(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
+    """Written over a stale OUT with force=True: that conversion is needed anyway, so it doubles
+    as the `--force` replacement check (test_convert)."""
     from gemma_ane.convert import ConvertOptions, convert
 
     out = tmp_path_factory.mktemp("bundle16") / "bundle"
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16), progress=False)
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older conversion")
+    seconds = convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, force=True), progress=False)
+    (out.parent / "seconds.json").write_text(json.dumps(seconds))  # the stage timings, for test_convert
     return out
 
 

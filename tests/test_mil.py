@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import coremltools as ct
@@ -23,6 +24,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
 from gemma_ane.mil import OPS, ExecutionError, MILModel, MILState
+from gemma_ane.package import Package, PackageError
 
 FP16, FP32, INT32 = types.fp16, types.fp32, types.int32
 IOS18 = ct.target.iOS18
@@ -540,6 +542,112 @@ def test_read_state_is_the_value_before_a_later_update(tmp_path):
     np.testing.assert_array_equal(state.arrays["acc"], 2 * x)
 
 
+# -- aliasing: a buffer is written in place or adopted only when nobody else can see it ------------------
+
+ROWS = [mb.StateTensorSpec(shape=(4, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16),
+        mb.TensorSpec(shape=(1,), dtype=INT32)]
+
+
+def write_row(x, pos, row):
+    """slice_update of row `pos` of a [4, 4] tensor, at a position known only at run time."""
+    begin = mb.concat(values=[pos, i32([0])], axis=0)
+    end = mb.concat(values=[mb.add(x=pos, y=np.int32(1)), i32([4])], axis=0)
+    return mb.slice_update(x=x, update=row, begin=begin, end=end)
+
+
+def row_model(prog, path: Path, *op_types) -> MILModel:
+    return MILModel(build(prog, path, "slice_update", *op_types, precision="fp16"))
+
+
+def first_column(a):
+    return np.asarray(a)[:, 0].tolist()
+
+
+def test_a_constant_is_never_written_in_place(tmp_path):
+    # the constant is the same array in every call: a write into it would show in the next call
+    @mb.program(input_specs=ROWS[1:], opset_version=IOS18)
+    def prog(row, pos):
+        return write_row(mb.const(val=np.zeros((4, 4), np.float16)), pos, row)
+
+    model = row_model(prog, tmp_path / "p.mlpackage")
+    name = next(iter(model.interface["outputs"]))
+    first = model.predict({"row": f16([[1] * 4]), "pos": i32([0])})[name]
+    second = model.predict({"row": f16([[2] * 4]), "pos": i32([1])})[name]
+    assert (first_column(first), first_column(second)) == ([1, 0, 0, 0], [0, 2, 0, 0])
+
+
+def test_a_view_read_after_a_write_sees_the_buffer_before_it(tmp_path):
+    @mb.program(input_specs=ROWS, opset_version=IOS18)
+    def prog(cache, row, pos):
+        before = mb.read_state(input=cache)
+        top = mb.slice_by_index(x=before, begin=[0, 0], end=[2, 4])  # a view, taken before the write
+        mb.coreml_update_state(state=cache, value=write_row(before, pos, row))
+        return mb.mul(x=top, y=np.float16(1), name="y")
+
+    model = row_model(prog, tmp_path / "p.mlpackage", "read_state", "slice_by_index")
+    state = model.make_state()
+    y = model.predict({"row": f16([[1] * 4]), "pos": i32([0])}, state=state)["y"]
+    assert (first_column(y), first_column(state.arrays["cache"])) == ([0, 0], [1, 0, 0, 0])
+
+
+def test_a_state_written_only_in_a_value_keeps_its_contents(tmp_path):
+    # a "peek" function: the updated cache is returned, never written back to the state
+    @mb.program(input_specs=ROWS, opset_version=IOS18)
+    def prog(cache, row, pos):
+        return mb.mul(x=write_row(mb.read_state(input=cache), pos, row), y=np.float16(1), name="y")
+
+    model = row_model(prog, tmp_path / "p.mlpackage", "read_state")
+    state = model.make_state()
+    state.arrays["cache"][...] = 7
+    y = model.predict({"row": f16([[1] * 4]), "pos": i32([0])}, state=state)["y"]
+    assert (first_column(y), first_column(state.arrays["cache"])) == ([1, 7, 7, 7], [7, 7, 7, 7])
+
+
+def test_a_state_holds_the_value_it_was_given_not_later_writes(tmp_path):
+    @mb.program(input_specs=ROWS, opset_version=IOS18)
+    def prog(cache, row, pos):
+        once = write_row(mb.read_state(input=cache), pos, row)
+        mb.coreml_update_state(state=cache, value=once)
+        twice = write_row(once, mb.add(x=pos, y=np.int32(1)), mb.mul(x=row, y=np.float16(2)))
+        return mb.mul(x=twice, y=np.float16(1), name="y")
+
+    model = row_model(prog, tmp_path / "p.mlpackage", "read_state", "coreml_update_state")
+    state = model.make_state()
+    y = model.predict({"row": f16([[1] * 4]), "pos": i32([0])}, state=state)["y"]
+    assert (first_column(y), first_column(state.arrays["cache"])) == ([1, 2, 0, 0], [1, 0, 0, 0])
+
+
+def test_two_states_never_share_a_buffer(tmp_path):
+    # `old` takes the cache as it was before this call's write; the cache is then written in place
+    @mb.program(input_specs=[ROWS[0], mb.StateTensorSpec(shape=(4, 4), dtype=FP16), *ROWS[1:]], opset_version=IOS18)
+    def prog(cache, old, row, pos):
+        before = mb.read_state(input=cache)
+        mb.coreml_update_state(state=old, value=before)
+        mb.coreml_update_state(state=cache, value=write_row(before, pos, row))
+        return mb.mul(x=row, y=np.float16(1), name="y")
+
+    model = row_model(prog, tmp_path / "p.mlpackage", "read_state", "coreml_update_state")
+    state = model.make_state()
+    for p in range(3):
+        model.predict({"row": f16([[p + 1] * 4]), "pos": i32([p])}, state=state)
+    assert first_column(state.arrays["cache"]) == [1, 2, 3, 0]
+    assert first_column(state.arrays["old"]) == [1, 2, 0, 0]
+
+
+def test_a_state_can_be_set_to_a_constant(tmp_path):
+    @mb.program(input_specs=ROWS[:2], opset_version=IOS18)
+    def prog(cache, row):
+        mb.coreml_update_state(state=cache, value=np.full((4, 4), 3, np.float16))
+        return mb.mul(x=row, y=np.float16(1), name="y")
+
+    model = MILModel(build(prog, tmp_path / "p.mlpackage", "coreml_update_state", precision="fp16"))
+    state = model.make_state()
+    model.predict({"row": f16([[1] * 4])}, state=state)
+    state.arrays["cache"][...] += 1  # the state's array, not the program's constant
+    model.predict({"row": f16([[1] * 4])}, state=state)
+    np.testing.assert_array_equal(state.arrays["cache"], np.full((4, 4), 3, np.float16))
+
+
 # -- multifunction packages, shared states, unknown ops ---------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -594,6 +702,29 @@ def test_unimplemented_op_is_refused_at_load_naming_op_and_function(multifunctio
 
     with pytest.raises(ExecutionError, match=r"function 'main': op type 'erf' is not implemented"):
         MILModel(build(prog, tmp_path / "p.mlpackage", "erf"))
+
+
+def test_package_interface_per_function(multifunction):
+    package = Package.open(multifunction)
+    assert package.function_names == ["accumulate", "peek", "broken"] and package.default_function == "peek"
+    fp16_1x4 = {"shape": [1, 4], "dtype": "float16"}
+    assert package.interface("accumulate") == {"inputs": {"x": fp16_1x4}, "outputs": {"total": fp16_1x4},
+                                               "states": {"acc": fp16_1x4}}
+    assert package.interface() == package.interface("peek")
+    with pytest.raises(PackageError, match=r"no function 'prefill' \(has accumulate, peek, broken\)"):
+        package.interface("prefill")
+
+
+def test_package_errors_name_the_file(stateful, tmp_path):
+    (tmp_path / "x.mlmodelc").mkdir()
+    with pytest.raises(PackageError, match=r"x.mlmodelc: compiled .mlmodelc programs cannot be read back"):
+        Package.open(tmp_path / "x.mlmodelc")
+    with pytest.raises(PackageError, match=r"y.mlpackage: not an .mlpackage \(no Manifest.json\)"):
+        Package.open(tmp_path / "y.mlpackage")
+    broken = shutil.copytree(stateful["a"], tmp_path / "z.mlpackage")
+    next(broken.rglob("model.mlmodel")).write_bytes(b"not a protobuf")
+    with pytest.raises(PackageError, match=r"z.mlpackage: unreadable model spec"):
+        Package.open(broken)
 
 
 # -- input validation: one test per error ------------------------------------------------------------

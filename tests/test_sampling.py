@@ -105,9 +105,9 @@ def _logits(name: str) -> np.ndarray:
     rng = np.random.default_rng(3)
     if name == "ties":  # groups of equal logits; every cut below falls between groups (see the test after)
         return np.array([3, 1, 3, 2.5, 2.5, 1, 2.5, 0, -1, 0.5, 2, 2, -3, 1, 0, 0.25], np.float32)
-    if name == "near-ties":  # six top logits one float32 ulp apart, the larger at the lower id
+    if name == "near-ties":  # six top logits one float32 ulp apart, the larger at the higher id (unlike a tie)
         x = rng.standard_normal(64).astype(np.float32)
-        x[[50, 41, 33, 20, 9, 2]] = np.float32(4) + np.arange(6, dtype=np.float32) * np.spacing(np.float32(4))
+        x[[2, 9, 20, 33, 41, 50]] = np.float32(4) + np.arange(6, dtype=np.float32) * np.spacing(np.float32(4))
         return x
     x = (rng.standard_normal(int(name.split("-")[1])) * 2).astype(np.float32)
     x[rng.choice(len(x), 20, replace=False)] += 8  # a few clear favourites, as real logits have
