@@ -212,7 +212,7 @@ OPS = {
     "reshape": lambda x, shape: np.reshape(x, tuple(int(s) for s in shape)),
     "transpose": lambda x, perm: np.transpose(x, tuple(int(p) for p in perm)),
     "expand_dims": lambda x, axes: np.expand_dims(x, tuple(int(a) for a in np.atleast_1d(axes))),
-    "squeeze": lambda x, axes=None: np.squeeze(x, axis=None if axes is None else tuple(int(a) for a in np.atleast_1d(axes))),
+    "squeeze": lambda x, axes=None: np.squeeze(x, axis=None if axes is None else _norm_axes(axes, x.ndim)),
     "select": lambda cond, a, b: np.where(cond, a, b),
     "tile": lambda x, reps: np.tile(x, tuple(int(r) for r in reps)),
     "cast": lambda x, dtype: np.asarray(x).astype(_CAST[str(dtype)]),
@@ -360,17 +360,17 @@ class _Aliases:
 
 # -- load time: constants, and one closure per op -----------------------------------------------------
 
-def _is_const(v) -> bool:
-    """A const op's output: handed to steps as a value fixed at load, not through the env."""
+def _static(v) -> bool:
+    """A const op's output: handed to steps as a value, not through the env."""
     return not isinstance(v, (list, tuple)) and v.op is not None and v.op.op_type == "const"
 
 
 def _folded(op) -> bool:
     """Evaluated once at load: consts, and the decompression (constexpr_) of constants."""
-    return op.op_type == "const" or (op.op_type.startswith("constexpr_") and all(map(_constant, op.inputs.values())))
+    return op.op_type == "const" or (op.op_type.startswith("constexpr_") and all(map(_folded_var, op.inputs.values())))
 
 
-def _constant(v) -> bool:
+def _folded_var(v) -> bool:
     return not isinstance(v, (list, tuple)) and v.op is not None and _folded(v.op)
 
 
@@ -491,7 +491,7 @@ class MILModel:
     def _compile(self, fn) -> None:
         ops = list(fn.operations)
         for op in ops:
-            if op.op_type != "const" and op.op_type not in OPS and op.op_type not in ("read_state", "coreml_update_state", "linear"):
+            if op.op_type not in OPS and op.op_type not in ("const", "read_state", "coreml_update_state", "linear"):
                 raise ExecutionError(f"function {self.function_name!r}: op type {op.op_type!r} is not implemented "
                                      f"by the MIL executor (op {op.name})")
         slots, aliases = _slots(fn, ops), _Aliases(fn, ops)
@@ -508,7 +508,8 @@ class MILModel:
         self._copy_outputs = aliases.copy_outputs
         missing = [n for n in self.interface["outputs"] if n not in self._outputs]
         if missing:
-            raise ExecutionError(f"{self.path}: function {self.function_name!r} declares outputs {missing} its program lacks")
+            raise ExecutionError(f"{self.path}: function {self.function_name!r} declares outputs {missing} "
+                                 "its program lacks")
 
     def _constants(self, ops, slots) -> tuple[list, list]:
         """The env every call starts from: each constant loaded (floats in the working dtype), and
@@ -526,7 +527,7 @@ class MILModel:
                     consumed.append(s)
             elif not (_linear_weight_only(var) and _weight_key(var) in self._weights):
                 # a weight another function of the package already widened is not decompressed again
-                args = {n: _value(v) if _is_const(v) else consts[slots[v.name]] for n, v in op.inputs.items()}
+                args = {n: _value(v) if _static(v) else consts[slots[v.name]] for n, v in op.inputs.items()}
                 dense = OPS[op.op_type](**args)
                 consts[s] = np.asarray(dense).astype(self._float(_var_dtype(var)))
                 if _linear_weight_only(var):
@@ -535,9 +536,9 @@ class MILModel:
 
     def _step(self, i: int, op, slots: dict, consts: list, aliases: _Aliases):
         kind = op.op_type
-        static = {n: _value(v) for n, v in op.inputs.items() if _is_const(v)}
+        static = {n: _value(v) for n, v in op.inputs.items() if _static(v)}
         dynamic = {n: [slots[x.name] for x in v] if isinstance(v, (list, tuple)) else slots[v.name]
-                   for n, v in op.inputs.items() if not _is_const(v)}
+                   for n, v in op.inputs.items() if not _static(v)}
         outs = [slots[o.name] for o in op.outputs]
         dtypes = [self._float(_var_dtype(o)) for o in op.outputs]
         if kind == "linear":
@@ -545,13 +546,14 @@ class MILModel:
         if kind == "read_state":
             return _read_state_step(op.inputs["input"].name, outs[0])
         if kind == "coreml_update_state":
-            return _update_state_step(op.inputs["state"].name, slots[op.inputs["value"].name], outs[0], i in aliases.adopt)
+            value = slots[op.inputs["value"].name]  # through the env even when a const: a state owns its array
+            return _update_state_step(op.inputs["state"].name, value, outs[0], i in aliases.adopt)
         if kind == "slice_update":
             static["inplace"] = i in aliases.inplace
         return _op_step(OPS[kind], static, dynamic, outs, dtypes)
 
     def _linear_step(self, op, static: dict, dynamic: dict, consts: list, out: int, dtype):
-        if not all(_constant(op.inputs[n]) for n in ("weight", "bias") if n in op.inputs):
+        if not all(_folded_var(op.inputs[n]) for n in ("weight", "bias") if n in op.inputs):
             raise ExecutionError(f"function {self.function_name!r}: linear op {op.name} has a weight or bias "
                                  "computed at run time (MIL requires constants)")
         weight = static["weight"] if "weight" in static else consts[dynamic["weight"]]

@@ -989,8 +989,8 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
     calls = {"batched": [], "single": []}
     for key, engine in (("batched", batched), ("single", single)):
         for chunk in engine.chunks:
-            chunk.predict = (lambda f, inputs, c=chunk, real=chunk.predict, log=calls[key]:
-                             log.append((c.path.stem, f)) or real(f, inputs))
+            chunk.predict = (lambda f, inputs, state, c=chunk, real=chunk.predict, log=calls[key]:
+                             log.append((c.name, f)) or real(f, inputs, state))
     ids = random_ids(ckpt.spec, 40, seed=2)
     a = run_engine(batched, ids, prompt_len=13)
     b = run_engine(single, ids, prompt_len=13)
@@ -1025,8 +1025,8 @@ def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
     kept = []
     real = chunk2.predict
 
-    def record(function, inputs):
-        out = real(function, inputs)
+    def record(function, inputs, state):
+        out = real(function, inputs, state)
         kept.append({k: (v, v.copy()) for k, v in out.items()})
         return out
 
