@@ -467,10 +467,10 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
     with timer("load"):
         root, ckpt, plan = open_source(src, options)
     compile_ = options.compile if options.compile is not None else platform.system() == "Darwin"
-    if not compile_ and options.compile is None:
-        print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
     try:
         with building(out) as tmp:
+            if not compile_ and options.compile is None:
+                print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
             sizes = {chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
                      for chunk in plan.chunks}
             name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)

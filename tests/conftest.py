@@ -7,8 +7,9 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Fixtures that convert a bundle (each conversion costs 30-60 s): every test that uses one, directly
-# or through another fixture, is slow. `pytest -m "not slow"` is the fast loop; CI runs everything.
-CONVERTING = {"tiny_bundle16", "tiny_bundle4"}
+# or through another fixture, is slow; so are tests marked by hand (a conversion of their own, or a
+# long oracle run). `pytest -m "not slow"` is the fast loop; CI runs everything.
+CONVERTING = {"tiny_bundle16", "tiny_bundle4", "bundle", "bundle16", "bundle4", "gqa16"}
 
 
 def pytest_collection_modifyitems(items):

@@ -41,6 +41,8 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
+
 
 def script(name, *args, check=True):
     r = subprocess.run([sys.executable, str(BENCH / name), *map(str, args)], capture_output=True, text=True,

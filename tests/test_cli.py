@@ -161,6 +161,7 @@ def test_tiny_bad_options(capsys, tmp_path, args, needles):
 
 # -- verify --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_verify_json(capsys, tiny_e2b):
     rc, out, err = run(capsys, "verify", tiny_e2b, "--tokens", "40", "--json")
     assert rc == 0, err
@@ -171,6 +172,7 @@ def test_verify_json(capsys, tiny_e2b):
     assert 0.0 <= report["max_abs_logit_diff"] < 1e-2
 
 
+@pytest.mark.slow
 def test_verify_fp16_text_line(capsys, tiny_bf16_sharded):
     rc, out, err = run(capsys, "verify", tiny_bf16_sharded, "--tokens", "40", "--precision", "fp16")
     assert rc == 0, err

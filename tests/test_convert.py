@@ -310,6 +310,7 @@ def test_functions_reference_the_same_weight_blobs(bundle, plan):
         assert len(a) >= len(weights) > 10 and len(set(a.values())) == len(a), chunk.name
 
 
+@pytest.mark.slow
 def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_e2b, tmp_path):
     import torch
 
@@ -335,6 +336,7 @@ def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_
     assert merged_w <= 1.05 * alone_w, (merged_w, alone_w)
 
 
+@pytest.mark.slow
 def test_convert_function_works_on_its_own(plan, tiny_e2b, tmp_path):
     """convert_function is the public per-function step; it must not depend on convert() having
     run earlier in the same process (coremltools op overrides are process-global)."""
@@ -598,6 +600,7 @@ def test_bundle_is_readable_by_others(bundle16):
 
 # -- atomicity and --force -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
     from gemma_ane import convert as convert_mod
 

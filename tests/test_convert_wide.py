@@ -12,6 +12,8 @@ from gemma_ane.mil import MILModel
 from gemma_ane.package import Package
 from gemma_ane.spec import ChunkPlan
 
+pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
+
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):

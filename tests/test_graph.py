@@ -38,6 +38,7 @@ def feed_segments(engine, ids, cuts):
     return np.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cuts", [
     [13],          # prompt of 13: one exact batch, then single steps
     [3, 40],       # batches starting at the unaligned position 3, then past the window
@@ -56,12 +57,14 @@ def test_gqa_preset_matches_transformers(tiny_gqa):
     assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= 0.9999, r
 
 
+@pytest.mark.slow
 def test_bf16_sharded_checkpoint(tiny_bf16_sharded):
     assert len(list(tiny_bf16_sharded.glob("model-*.safetensors"))) == 3
     r = verify_graph(tiny_bf16_sharded, tokens=48, prompt_len=9, precision="fp32")
     assert r["passed"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_e2b", "tiny_gqa"])
 def test_fp16_graph_within_documented_tolerance(request, fixture):
     r = verify_graph(request.getfixturevalue(fixture), tokens=80, prompt_len=13, precision="fp16")
@@ -69,6 +72,7 @@ def test_fp16_graph_within_documented_tolerance(request, fixture):
     assert r["passed"]
 
 
+@pytest.mark.slow
 def test_batched_prefill_equals_token_by_token(e2b_setup):
     engine, _, ckpt = e2b_setup
     ids = random_ids(ckpt.spec, 30, seed=7)

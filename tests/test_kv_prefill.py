@@ -9,6 +9,8 @@ from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.verify import oracle_model, random_ids
 
+pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
+
 
 @pytest.fixture(scope="module")
 def bundle(tiny_e2b, tmp_path_factory):

@@ -11,6 +11,8 @@ from gemma_ane.bundle import BundleError
 from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.host import rotated_pairs
 
+pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
+
 
 @pytest.fixture(scope="module")
 def bundles(tiny_e2b, tiny_bundle16, tmp_path_factory):
