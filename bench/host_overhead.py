@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import publish  # noqa: E402
 
 from gemma_ane.bundle import load_host  # noqa: E402
 from gemma_ane.engine import Engine  # noqa: E402
@@ -118,9 +118,7 @@ def main(argv=None):
         f"(target <= 1 ms median: {'met' if np.median(ms) <= 1.0 else 'missed'})",
         f"- resident memory: {rss_before:.0f} MB before loading the tables, {rss_after:.0f} MB after {n} tokens",
     ])
-    print(table)
-    if not a.no_record:
-        record("host overhead per decoded token", table)
+    publish("host overhead per decoded token", table, a)
 
 
 if __name__ == "__main__":

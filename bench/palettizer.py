@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import publish  # noqa: E402
 
 from gemma_ane.palettize import kmeans_lut, lut_to_dense, snr_db  # noqa: E402
 
@@ -79,9 +79,7 @@ def main(argv=None):
         f"whole model ({'quick shapes' if a.quick else 'E2B'}): ours {ours_total:.1f} s, coremltools {ct_total:.1f} s, "
         f"speed-up {ct_total / ours_total:.1f}x",
     ])
-    print(table)
-    if not a.no_record:
-        record("palettizer", table)
+    publish("palettizer", table, a)
 
 
 if __name__ == "__main__":
