@@ -22,20 +22,20 @@ def _ring_after(p_end: int) -> np.ndarray:
 @pytest.mark.parametrize("p0,T", [(0, 8), (504, 8), (511, 1), (512, 1), (513, 1), (1023, 1), (1024, 1), (2047, 1)])
 def test_sliding_mask_sees_exactly_the_window(p0, T):
     held = _ring_after(p0 + T)  # write-then-attend: the batch is in the ring
-    open_ = sliding_mask(p0, T, WINDOW)[0, 0] == 0
+    seen = sliding_mask(p0, T, WINDOW)[0, 0] == 0
     for t in range(T):
         p = p0 + t
-        assert sorted(held[open_[t]]) == list(range(max(0, p - WINDOW + 1), p + 1)), (p0, T, t)
+        assert sorted(held[seen[t]]) == list(range(max(0, p - WINDOW + 1), p + 1)), (p0, T, t)
 
 
 @pytest.mark.parametrize("p0,T", [(0, 64), (448, 64), (512, 64), (960, 64), (1984, 64)])
 def test_kv_prefill_mask_sees_exactly_the_window(p0, T):
     held = _ring_after(p0)  # attend-then-write: the ring as it was, then the batch beside it
-    open_ = kv_sliding_mask(p0, T, WINDOW)[0, 0] == 0
+    seen = kv_sliding_mask(p0, T, WINDOW)[0, 0] == 0
     cols = np.concatenate([held, p0 + np.arange(T)])
     for t in range(T):
         p = p0 + t
-        assert sorted(cols[open_[t]]) == list(range(max(0, p - WINDOW + 1), p + 1)), (p0, T, t)
+        assert sorted(cols[seen[t]]) == list(range(max(0, p - WINDOW + 1), p + 1)), (p0, T, t)
 
 
 @pytest.fixture(scope="module")
