@@ -35,12 +35,31 @@ from common import publish  # noqa: E402
 
 def phys_footprint() -> int:
     """ri_phys_footprint of this process (bytes), via libproc's proc_pid_rusage(RUSAGE_INFO_V2)."""
+
     class RUsageInfoV2(ctypes.Structure):
-        _fields_ = [("ri_uuid", ctypes.c_uint8 * 16)] + [(n, ctypes.c_uint64) for n in (
-            "user_time", "system_time", "pkg_idle_wkups", "interrupt_wkups", "pageins", "wired_size",
-            "resident_size", "phys_footprint", "proc_start_abstime", "proc_exit_abstime", "child_user_time",
-            "child_system_time", "child_pkg_idle_wkups", "child_interrupt_wkups", "child_pageins",
-            "child_elapsed_abstime", "diskio_bytesread", "diskio_byteswritten")]
+        _fields_ = [("ri_uuid", ctypes.c_uint8 * 16)] + [
+            (n, ctypes.c_uint64)
+            for n in (
+                "user_time",
+                "system_time",
+                "pkg_idle_wkups",
+                "interrupt_wkups",
+                "pageins",
+                "wired_size",
+                "resident_size",
+                "phys_footprint",
+                "proc_start_abstime",
+                "proc_exit_abstime",
+                "child_user_time",
+                "child_system_time",
+                "child_pkg_idle_wkups",
+                "child_interrupt_wkups",
+                "child_pageins",
+                "child_elapsed_abstime",
+                "diskio_bytesread",
+                "diskio_byteswritten",
+            )
+        ]
 
     info = RUsageInfoV2()
     libproc = ctypes.CDLL("/usr/lib/libproc.dylib")
@@ -100,9 +119,12 @@ def main(argv=None):
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
     if platform.system() != "Darwin":
-        print(f"bench/ane.py needs macOS: Core ML prediction (and the Neural Engine) does not exist on "
-              f"{platform.system()}. Run it on a Mac with the bundle; on this machine use bench/executor_vs_transformers.py.",
-              file=sys.stderr)
+        print(
+            f"bench/ane.py needs macOS: Core ML prediction (and the Neural Engine) does not exist on "
+            f"{platform.system()}. Run it on a Mac with the bundle; on this machine use "
+            "bench/executor_vs_transformers.py.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     if not a.bundle:
         p.error("BUNDLE is required")
@@ -123,9 +145,14 @@ def main(argv=None):
         paths[f"prefill_b{engine.prefill_batch}"] = (engine.prefill_batch, ())
     for T in engine.kv_batches:
         paths[f"prefill_kv_b{T} (+ smaller)"] = (None, tuple(b for b in engine.kv_batches if b <= T))
-    lines = [f"Bundle `{a.bundle}`, compute units {a.compute_units}.", "",
-             f"- load: {first:.1f} s first (compiles), {cached:.1f} s cached", "",
-             "| prompt path (256 tokens) | time to first token | prompt tok/s |", "|---|---:|---:|"]
+    lines = [
+        f"Bundle `{a.bundle}`, compute units {a.compute_units}.",
+        "",
+        f"- load: {first:.1f} s first (compiles), {cached:.1f} s cached",
+        "",
+        "| prompt path (256 tokens) | time to first token | prompt tok/s |",
+        "|---|---:|---:|",
+    ]
     for name, spec in paths.items():
         s = timed_prompt(engine, prompt, spec)
         lines.append(f"| {name} | {s:.2f} s | {len(prompt) / s:.1f} |")
@@ -133,9 +160,12 @@ def main(argv=None):
     for n in (256, 1024, 2000):
         lines.append(f"| {n} | {decode_rate(engine, n, 64, rng):.1f} |")
     done, drift, error = soak(engine, a.soak, prompt[:32])
-    lines += ["", f"- phys_footprint: {foot_loaded / 2**20:.0f} MB after load, {phys_footprint() / 2**20:.0f} MB after the runs",
-              f"- soak: {done}/{a.soak} steps, max logits drift between segments {drift:.3g}"
-              + (f", CRASHED: {error}" if error else "")]
+    lines += [
+        "",
+        f"- phys_footprint: {foot_loaded / 2**20:.0f} MB after load, {phys_footprint() / 2**20:.0f} MB after the runs",
+        f"- soak: {done}/{a.soak} steps, max logits drift between segments {drift:.3g}"
+        + (f", CRASHED: {error}" if error else ""),
+    ]
     publish("Neural Engine (Core ML)", "\n".join(lines), a)
 
 

@@ -42,8 +42,10 @@ def versions() -> str:
 def record(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
     """Append one entry: command, date, machine, versions, then the figures."""
     cmd = " ".join(shlex.quote(x) for x in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
-    entry = (f"\n## {title} — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
-             f"- command: `python {cmd}`\n- machine: {machine()}\n- versions: {versions()}\n\n{body}\n")
+    entry = (
+        f"\n## {title} — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
+        f"- command: `python {cmd}`\n- machine: {machine()}\n- versions: {versions()}\n\n{body}\n"
+    )
     new = not path.exists()
     with open(path, "a") as f:
         if new:

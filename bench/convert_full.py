@@ -38,8 +38,10 @@ PUBLISHED_SIDECARS = {
     "per_layer_projection.bin": 8960 * 1536 * 2,
     "per_layer_norm_weight.bin": 256 * 2,
     # npy v1.0 with a 128-byte header; the published tables have 8192 rows
-    "cos_sliding.npy": 128 + 8192 * 256 * 2, "sin_sliding.npy": 128 + 8192 * 256 * 2,
-    "cos_full.npy": 128 + 8192 * 512 * 2, "sin_full.npy": 128 + 8192 * 512 * 2,
+    "cos_sliding.npy": 128 + 8192 * 256 * 2,
+    "sin_sliding.npy": 128 + 8192 * 256 * 2,
+    "cos_full.npy": 128 + 8192 * 512 * 2,
+    "sin_full.npy": 128 + 8192 * 512 * 2,
 }
 WHY = {
     "cos_sliding.npy": "we store max(context, 4096) rows, not 8192: rows past the context are never read",
@@ -55,8 +57,20 @@ def tree_size(path: Path) -> int:
 
 def run_convert(ckpt: str, out: str, bits: int, stats: Path) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes of the process tree, exit code)."""
-    cmd = [sys.executable, "-m", "gemma_ane.cli", "convert", ckpt, out, "--bits", str(bits), "--force",
-           "--quiet", "--stats", str(stats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gemma_ane.cli",
+        "convert",
+        ckpt,
+        out,
+        "--bits",
+        str(bits),
+        "--force",
+        "--quiet",
+        "--stats",
+        str(stats),
+    ]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -72,7 +86,8 @@ def size_table(out: Path) -> tuple[str, list[str]]:
         got = tree_size(path) if path.exists() else 0
         delta = got / want - 1
         ok = abs(delta) <= 0.05
-        rows.append(f"| {path.name} | {got / 1e6:.1f} MB | {want / 1e6:.0f} MB | {delta:+.1%} {'(within 5 %)' if ok else 'MISSED'} |")
+        verdict = "(within 5 %)" if ok else "MISSED"
+        rows.append(f"| {path.name} | {got / 1e6:.1f} MB | {want / 1e6:.0f} MB | {delta:+.1%} {verdict} |")
         if not ok:
             misses.append(f"{name} {delta:+.1%}")
     for name, want in PUBLISHED_SIDECARS.items():
@@ -100,17 +115,28 @@ def main(argv=None):
         stats = json.loads(stats_path.read_text())
     peak = max(stats["peak_rss_bytes"].values(), default=0) or tree_peak
     minutes, peak_gib = wall / 60, peak / GiB
-    lines = [f"`gemma-ane convert {a.ckpt} OUT --bits {a.bits}`: **{minutes:.1f} min** wall, "
-             f"peak RSS **{peak_gib:.2f} GiB**", "",
-             "| stage | seconds | share | peak RSS |", "|---|---:|---:|---:|"]
+    lines = [
+        f"`gemma-ane convert {a.ckpt} OUT --bits {a.bits}`: **{minutes:.1f} min** wall, "
+        f"peak RSS **{peak_gib:.2f} GiB**",
+        "",
+        "| stage | seconds | share | peak RSS |",
+        "|---|---:|---:|---:|",
+    ]
     total = sum(stats["seconds"].values())
     for stage, sec in sorted(stats["seconds"].items(), key=lambda kv: -kv[1]):
         peak = stats["peak_rss_bytes"].get(stage)
-        lines.append(f"| {stage} | {sec:.1f} | {sec / total:.0%} | {peak / GiB:.2f} GiB |" if peak else
-                     f"| {stage} | {sec:.1f} | {sec / total:.0%} | - |")
+        lines.append(
+            f"| {stage} | {sec:.1f} | {sec / total:.0%} | {peak / GiB:.2f} GiB |"
+            if peak
+            else f"| {stage} | {sec:.1f} | {sec / total:.0%} | - |"
+        )
     if not a.quick:
-        lines += ["", f"- target <= 15 min: {'met' if minutes <= 15 else f'missed by {minutes - 15:.1f} min ({minutes / 15 - 1:.0%})'}",
-                  f"- target <= 10 GiB: {'met' if peak_gib <= 10 else f'missed by {peak_gib - 10:.2f} GiB'}"]
+        lines += [
+            "",
+            "- target <= 15 min: "
+            + ("met" if minutes <= 15 else f"missed by {minutes - 15:.1f} min ({minutes / 15 - 1:.0%})"),
+            f"- target <= 10 GiB: {'met' if peak_gib <= 10 else f'missed by {peak_gib - 10:.2f} GiB'}",
+        ]
         table, misses = size_table(Path(a.out))
         lines += ["", "Sizes against the published 4-bit build (CONTRACT §2):", "", table]
         if misses:

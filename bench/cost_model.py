@@ -38,10 +38,12 @@ CONTEXTS = (256, 1024, 2048)
 
 
 def inspect(bundle: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "gemma_ane.cli", "inspect", bundle, "--json", "--no-sha"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "gemma_ane.cli", "inspect", bundle, "--json", "--no-sha"], capture_output=True, text=True
+    )
     if out.returncode not in (0, 1) or not out.stdout.strip():
-        sys.exit(f"error: gemma-ane inspect {bundle}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'failed'}")
+        why = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"
+        sys.exit(f"error: gemma-ane inspect {bundle}: {why}")
     return json.loads(out.stdout)
 
 
@@ -68,27 +70,55 @@ def model(report: dict, config: dict) -> dict:
 
 def render(bundle: str, m: dict) -> str:
     d = m["decode"]
-    mb = lambda b: f"{b / 1e6:,.1f} MB"
-    lines = [f"Bundle `{bundle}`.", "", "Decode, per token (chunk_1 + chunk_2 + chunk_3 `infer`):", "",
-             f"- {d['macs'] / 1e9:.2f} G MACs; weights read {mb(d['weight_bytes'])}", ""]
-    lines += ["| context | KV read (static programs) | KV read (valid rows only) | total bytes/token (static) |",
-              "|---:|---:|---:|---:|"]
+
+    def mb(b):
+        return f"{b / 1e6:,.1f} MB"
+
+    lines = [
+        f"Bundle `{bundle}`.",
+        "",
+        "Decode, per token (chunk_1 + chunk_2 + chunk_3 `infer`):",
+        "",
+        f"- {d['macs'] / 1e9:.2f} G MACs; weights read {mb(d['weight_bytes'])}",
+        "",
+    ]
+    lines += [
+        "| context | KV read (static programs) | KV read (valid rows only) | total bytes/token (static) |",
+        "|---:|---:|---:|---:|",
+    ]
     for n in CONTEXTS:
-        lines.append(f"| {n} | {mb(d['kv_static'][n])} | {mb(d['kv_ideal'][n])} | {mb(d['weight_bytes'] + d['kv_static'][n])} |")
-    lines += ["", "Prompt processing, per prompt token (chunk_1 + chunk_2; chunk_3 runs once per prompt):", "",
-              "| path | tokens/call | MACs/token | weight bytes/token |", "|---|---:|---:|---:|"]
+        lines.append(
+            f"| {n} | {mb(d['kv_static'][n])} | {mb(d['kv_ideal'][n])} | {mb(d['weight_bytes'] + d['kv_static'][n])} |"
+        )
+    lines += [
+        "",
+        "Prompt processing, per prompt token (chunk_1 + chunk_2; chunk_3 runs once per prompt):",
+        "",
+        "| path | tokens/call | MACs/token | weight bytes/token |",
+        "|---|---:|---:|---:|",
+    ]
     base = m["prompt_paths"].get("prefill_b8")
     for name, p in m["prompt_paths"].items():
-        rel = (f" ({p['macs_per_prompt_token'] / base['macs_per_prompt_token']:.0%} / "
-               f"{p['weight_bytes_per_prompt_token'] / base['weight_bytes_per_prompt_token']:.1%} of prefill_b8)"
-               if base and name != "prefill_b8" else "")
-        lines.append(f"| {name}{rel} | {p['tokens_per_call']} | {p['macs_per_prompt_token'] / 1e9:.3f} G | "
-                     f"{mb(p['weight_bytes_per_prompt_token'])} |")
+        rel = (
+            f" ({p['macs_per_prompt_token'] / base['macs_per_prompt_token']:.0%} / "
+            f"{p['weight_bytes_per_prompt_token'] / base['weight_bytes_per_prompt_token']:.1%} of prefill_b8)"
+            if base and name != "prefill_b8"
+            else ""
+        )
+        lines.append(
+            f"| {name}{rel} | {p['tokens_per_call']} | {p['macs_per_prompt_token'] / 1e9:.3f} G | "
+            f"{mb(p['weight_bytes_per_prompt_token'])} |"
+        )
     per_token = d["weight_bytes"] + d["kv_static"][CONTEXTS[1]]
-    lines += ["", f"Decode tok/s **upper bounds** at context {CONTEXTS[1]} = ANE bandwidth / "
-              f"{mb(per_token)} per token (weights + static KV). Bounds, not measurements: real decode also "
-              "pays op dispatch, the three chunk hand-offs and host work.", "",
-              "| device | ANE bandwidth | bound |", "|---|---:|---:|"]
+    lines += [
+        "",
+        f"Decode tok/s **upper bounds** at context {CONTEXTS[1]} = ANE bandwidth / "
+        f"{mb(per_token)} per token (weights + static KV). Bounds, not measurements: real decode also "
+        "pays op dispatch, the three chunk hand-offs and host work.",
+        "",
+        "| device | ANE bandwidth | bound |",
+        "|---|---:|---:|",
+    ]
     for dev, bw in BANDWIDTH.items():
         lines.append(f"| {dev} | {bw} GB/s | ≤ {bw * 1e9 / per_token:.1f} tok/s |")
     lines += ["", "Published measurements, for comparison:", ""]

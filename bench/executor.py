@@ -31,10 +31,12 @@ def instrument(engine, seconds: dict):
         for model in chunk.package.functions.values():
             wrapped = []
             for step, kind in zip(model._steps, model.step_kinds):
+
                 def timed(*args, step=step, kind=kind):
                     t = time.perf_counter()
                     step(*args)
                     seconds[kind] += time.perf_counter() - t
+
                 timed.needs_state = getattr(step, "needs_state", False)
                 wrapped.append(timed)
             model._steps = wrapped
@@ -64,16 +66,19 @@ def main(argv=None):
     ops = sum(seconds.values())
     mm = sum(v for k, v in seconds.items() if k in MATMUL)
     top = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
-    table = "\n".join([
-        f"bundle `{bundle.name if a.bundle else 'e2b-mini (quick)'}`, {a.steps} decode steps (chunk_1 + chunk_2 + chunk_3 each)",
-        "",
-        f"- step: {1000 * total / a.steps:.1f} ms; inside executor ops: {1000 * ops / a.steps:.1f} ms",
-        f"- matmul share of the step: **{mm / total:.1%}** (linear + matmul ops), of op time {mm / ops:.1%}",
-        "",
-        "| op | ms / step | share of step |",
-        "|---|---|---|",
-        *[f"| {k} | {1000 * v / a.steps:.2f} | {v / total:.1%} |" for k, v in top],
-    ])
+    table = "\n".join(
+        [
+            f"bundle `{bundle.name if a.bundle else 'e2b-mini (quick)'}`, "
+            f"{a.steps} decode steps (chunk_1 + chunk_2 + chunk_3 each)",
+            "",
+            f"- step: {1000 * total / a.steps:.1f} ms; inside executor ops: {1000 * ops / a.steps:.1f} ms",
+            f"- matmul share of the step: **{mm / total:.1%}** (linear + matmul ops), of op time {mm / ops:.1%}",
+            "",
+            "| op | ms / step | share of step |",
+            "|---|---|---|",
+            *[f"| {k} | {1000 * v / a.steps:.2f} | {v / total:.1%} |" for k, v in top],
+        ]
+    )
     print(table)
     if not a.no_record:
         record("executor decode profile", table)

@@ -35,6 +35,7 @@ GiB = 2**30
 
 # -- workers (each in its own process) -------------------------------------------------------------
 
+
 def prompt_ids(vocab: int, n: int) -> list[int]:
     rng = np.random.default_rng(0)
     return [2] + rng.integers(min(1000, vocab // 2), min(vocab, 200000), n - 1).tolist()  # <bos> + ordinary tokens
@@ -56,8 +57,12 @@ def run_executor(bundle: str, n_prompt: int, n_decode: int) -> dict:
         logits = engine.feed([int(np.argmax(logits))])[-1]
     decode = time.perf_counter() - t
     schedule = sorted({f for _, f, _ in engine.history[:-n_decode]})
-    return {"load_s": load, "prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode,
-            "prefill_functions": schedule}
+    return {
+        "load_s": load,
+        "prefill_tok_s": n_prompt / prefill,
+        "decode_tok_s": n_decode / decode,
+        "prefill_functions": schedule,
+    }
 
 
 def load_transformers(ckpt: str, dtype: str):
@@ -96,8 +101,14 @@ def run_transformers(ckpt: str, dtype: str, n_prompt: int, n_decode: int) -> dic
     stamps = Stamps()
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=n_decode + 1, min_new_tokens=n_decode + 1, do_sample=False,
-                       streamer=stamps, attention_mask=torch.ones_like(ids))
+        model.generate(
+            ids,
+            max_new_tokens=n_decode + 1,
+            min_new_tokens=n_decode + 1,
+            do_sample=False,
+            streamer=stamps,
+            attention_mask=torch.ones_like(ids),
+        )
     # times[0]: the prompt was handed over; times[1]: first new token; then one per decode step
     first, rest = stamps.times[1] - t0, stamps.times[-1] - stamps.times[1]
     return {"load_s": load, "prefill_tok_s": n_prompt / first, "decode_tok_s": n_decode / rest}
@@ -112,6 +123,7 @@ def main_worker(a) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------------
+
 
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -132,7 +144,7 @@ def spawn(worker: str, target: str, a) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"error: {worker} on {target} failed (exit {os.waitstatus_to_exitcode(status)})")
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return {**json.loads(line[len("RESULT "):]), "peak_rss": usage.ru_maxrss * 1024}
+    return {**json.loads(line[len("RESULT ") :]), "peak_rss": usage.ru_maxrss * 1024}
 
 
 def main(argv=None):
@@ -162,27 +174,44 @@ def main(argv=None):
     if mem_available() > fp32_need:
         runs.append(("transformers fp32", "transformers-fp32", a.target))
     else:
-        fp32_note = (f"transformers fp32 skipped: needs ~{fp32_need / GiB:.1f} GiB, "
-                     f"{mem_available() / GiB:.1f} GiB available")
+        fp32_note = (
+            f"transformers fp32 skipped: needs ~{fp32_need / GiB:.1f} GiB, {mem_available() / GiB:.1f} GiB available"
+        )
     results = {label: [] for label, _, _ in runs}
     for r in range(a.rounds):
         for label, worker, target in runs:
             res = spawn(worker, target, a)
-            print(f"round {r + 1}: {label}: prefill {res['prefill_tok_s']:.2f} tok/s, decode {res['decode_tok_s']:.2f} tok/s, "
-                  f"peak RSS {res['peak_rss'] / GiB:.2f} GiB", flush=True)
+            print(
+                f"round {r + 1}: {label}: prefill {res['prefill_tok_s']:.2f} tok/s, "
+                f"decode {res['decode_tok_s']:.2f} tok/s, "
+                f"peak RSS {res['peak_rss'] / GiB:.2f} GiB",
+                flush=True,
+            )
             results[label].append(res)
-    lines = [f"Prompt {a.prompt} tokens, {a.tokens} greedy decode steps, {a.rounds} alternating round(s); "
-             "median over rounds.", "",
-             "| run | prefill tok/s | decode tok/s | load s | peak RSS |", "|---|---:|---:|---:|---:|"]
-    med = lambda label, k: float(np.median([x[k] for x in results[label]]))
+    lines = [
+        f"Prompt {a.prompt} tokens, {a.tokens} greedy decode steps, {a.rounds} alternating round(s); "
+        "median over rounds.",
+        "",
+        "| run | prefill tok/s | decode tok/s | load s | peak RSS |",
+        "|---|---:|---:|---:|---:|",
+    ]
+
+    def med(label, k):
+        return float(np.median([x[k] for x in results[label]]))
+
     for label in results:
-        lines.append(f"| {label} | {med(label, 'prefill_tok_s'):.2f} | {med(label, 'decode_tok_s'):.2f} | "
-                     f"{med(label, 'load_s'):.0f} | {max(x['peak_rss'] for x in results[label]) / GiB:.2f} GiB |")
+        lines.append(
+            f"| {label} | {med(label, 'prefill_tok_s'):.2f} | {med(label, 'decode_tok_s'):.2f} | "
+            f"{med(label, 'load_s'):.0f} | {max(x['peak_rss'] for x in results[label]) / GiB:.2f} GiB |"
+        )
     if fp32_note:
         lines += ["", fp32_note]
     ours, theirs = med("executor, 4-bit bundle", "decode_tok_s"), med("transformers bf16", "decode_tok_s")
-    lines += ["", f"- executor 4-bit decode / transformers bf16 decode: **{ours / theirs:.2f}×** "
-              f"(target >= 1: {'met' if ours >= theirs else 'missed'})"]
+    lines += [
+        "",
+        f"- executor 4-bit decode / transformers bf16 decode: **{ours / theirs:.2f}×** "
+        f"(target >= 1: {'met' if ours >= theirs else 'missed'})",
+    ]
     sched = results["executor, 4-bit bundle"][0]["prefill_functions"]
     lines.append(f"- executor prompt schedule used: {', '.join(sched)}")
     publish("MIL executor vs transformers (CPU)", "\n".join(lines), a)

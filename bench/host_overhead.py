@@ -6,8 +6,9 @@
 Per token: embedding + PLE row reads (pread) and dequantisation from the sidecars, masks, RoPE rows,
 the chunk calls (precomputed outputs), repetition/presence penalties, top-k/top-p sampling over
 the whole vocabulary (on chunk_3's fp16 logits, as the runtime does), and with --logprobs the
-chosen token's logprob (opt-in in the runtime: a log-sum-exp over the whole vocabulary). Prints median and p99 per token (target:
-<= 1 ms median) and the resident memory after the run, which must not grow with the table size.
+chosen token's logprob (opt-in in the runtime: a log-sum-exp over the whole vocabulary). Prints
+median and p99 per token (target: <= 1 ms median) and the resident memory after the run, which
+must not grow with the table size.
 """
 
 from __future__ import annotations
@@ -27,10 +28,26 @@ from gemma_ane.bundle import load_host  # noqa: E402
 from gemma_ane.engine import Engine  # noqa: E402
 from gemma_ane.sampling import Sampler, SamplingParams  # noqa: E402
 
-E2B = dict(vocab_size=262144, hidden_size=1536, num_hidden_layers=35, per_layer_dim=256, context=2048, window=512,
-           head_dim=256, global_head_dim=512)
-QUICK = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=4, per_layer_dim=16, context=256, window=32,
-             head_dim=32, global_head_dim=64)
+E2B = dict(
+    vocab_size=262144,
+    hidden_size=1536,
+    num_hidden_layers=35,
+    per_layer_dim=256,
+    context=2048,
+    window=512,
+    head_dim=256,
+    global_head_dim=512,
+)
+QUICK = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    num_hidden_layers=4,
+    per_layer_dim=16,
+    context=256,
+    window=32,
+    head_dim=32,
+    global_head_dim=64,
+)
 
 
 def rss_mb() -> float:
@@ -51,9 +68,15 @@ def write_sidecars(root: Path, d: dict) -> dict:
         (root / f"{name}_scales.bin").write_bytes(rng.uniform(0.01, 0.1, V).astype("<f2").tobytes())
     for short, dim in (("sliding", d["head_dim"]), ("full", d["global_head_dim"])):
         for kind in ("cos", "sin"):
-            np.save(root / f"{kind}_{short}.npy", rng.standard_normal((max(d["context"], 4096), dim)).astype(np.float16))
-    return {**d, "embed_scale": H**0.5, "per_layer_embed_scale": d["per_layer_dim"] ** 0.5,
-            "layer_types": ["sliding_attention", "full_attention"]}
+            np.save(
+                root / f"{kind}_{short}.npy", rng.standard_normal((max(d["context"], 4096), dim)).astype(np.float16)
+            )
+    return {
+        **d,
+        "embed_scale": H**0.5,
+        "per_layer_embed_scale": d["per_layer_dim"] ** 0.5,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
 
 
 class Instant:
@@ -89,14 +112,23 @@ def main(argv=None):
         rng = np.random.default_rng(1)
         # a peaked, LLM-like distribution: most mass on a few hundred tokens
         logits = (rng.standard_normal(V) * 2.0 + np.where(rng.random(V) < 0.001, 12.0, 0.0)).astype(np.float16)
-        chunks = [Instant("chunk_1", {"hidden_states_out": np.zeros((1, 1, H), np.float16),
-                                      "per_layer_combined_out": np.zeros((1, 1, PL), np.float16)}),
-                  Instant("chunk_2", {"hidden_states_out": np.zeros((1, 1, H), np.float16)}),
-                  Instant("chunk_3", {"logits": logits.reshape(1, 1, V)})]
+        chunks = [
+            Instant(
+                "chunk_1",
+                {
+                    "hidden_states_out": np.zeros((1, 1, H), np.float16),
+                    "per_layer_combined_out": np.zeros((1, 1, PL), np.float16),
+                },
+            ),
+            Instant("chunk_2", {"hidden_states_out": np.zeros((1, 1, H), np.float16)}),
+            Instant("chunk_3", {"logits": logits.reshape(1, 1, V)}),
+        ]
         # logits_dtype=None as the runtime: the sampler reads fp16
         engine = Engine(chunks, host, context=d["context"], window=d["window"], prefill_batch=None, logits_dtype=None)
-        sampler = Sampler(SamplingParams(temperature=1.0, top_k=64, top_p=0.95, repetition_penalty=1.1,
-                                         presence_penalty=0.5, seed=0), history=rng.integers(0, V, 32))
+        sampler = Sampler(
+            SamplingParams(temperature=1.0, top_k=64, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, seed=0),
+            history=rng.integers(0, V, 32),
+        )
         token = 0
         times = []
         n = min(a.tokens, d["context"] - 1)
@@ -110,14 +142,17 @@ def main(argv=None):
             times.append(time.perf_counter() - t)
         rss_after = rss_mb()
     ms = np.array(times) * 1000
-    table = "\n".join([
-        f"{'quick tables' if a.quick else 'E2B-size sidecars (2.7 GB, rows read with pread)'}, {n} decoded tokens, vocab {V}, "
-        "top-k 64 + top-p 0.95 + repetition/presence penalties" + (" + logprob" if a.logprobs else ""),
-        "",
-        f"- host overhead per token: median **{np.median(ms):.3f} ms**, p99 {np.percentile(ms, 99):.3f} ms "
-        f"(target <= 1 ms median: {'met' if np.median(ms) <= 1.0 else 'missed'})",
-        f"- resident memory: {rss_before:.0f} MB before loading the tables, {rss_after:.0f} MB after {n} tokens",
-    ])
+    table = "\n".join(
+        [
+            f"{'quick tables' if a.quick else 'E2B-size sidecars (2.7 GB, rows read with pread)'}, "
+            f"{n} decoded tokens, vocab {V}, "
+            "top-k 64 + top-p 0.95 + repetition/presence penalties" + (" + logprob" if a.logprobs else ""),
+            "",
+            f"- host overhead per token: median **{np.median(ms):.3f} ms**, p99 {np.percentile(ms, 99):.3f} ms "
+            f"(target <= 1 ms median: {'met' if np.median(ms) <= 1.0 else 'missed'})",
+            f"- resident memory: {rss_before:.0f} MB before loading the tables, {rss_after:.0f} MB after {n} tokens",
+        ]
+    )
     publish("host overhead per decoded token", table, a)
 
 

@@ -32,9 +32,20 @@ E2B_CONFIG = ROOT / "tests" / "fixtures" / "e2b_config.json"
 S, F = "sliding_attention", "full_attention"
 # E2B's structure (4:1 pattern, one KV head, 256/512 head dims, KV sharing, double-wide MLP, PLE)
 # at toy widths and 6 layers: what `--quick` writes so a test can run every bench script.
-QUICK = dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, hidden_size_per_layer_input=8,
-             intermediate_size=128, num_hidden_layers=6, num_attention_heads=2, head_dim=16, global_head_dim=32,
-             num_kv_shared_layers=2, sliding_window=16, layer_types=[S, S, F, S, S, F])
+QUICK = dict(
+    vocab_size=512,
+    vocab_size_per_layer_input=512,
+    hidden_size=64,
+    hidden_size_per_layer_input=8,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_kv_shared_layers=2,
+    sliding_window=16,
+    layer_types=[S, S, F, S, S, F],
+)
 BLOCK = 16 * 2**20  # values generated at a time
 
 
@@ -79,8 +90,11 @@ def write_tensor(f, rng: np.random.Generator, name: str, shape: tuple[int, ...])
     n = int(np.prod(shape))
     for start in range(0, n, BLOCK):
         m = min(BLOCK, n - start)
-        block = rng.uniform(a, b, m).astype(np.float32) if kind == "uniform" else \
-            rng.standard_normal(m, dtype=np.float32) * np.float32(a)
+        block = (
+            rng.uniform(a, b, m).astype(np.float32)
+            if kind == "uniform"
+            else rng.standard_normal(m, dtype=np.float32) * np.float32(a)
+        )
         f.write(bf16_bytes(block))
 
 
@@ -125,7 +139,8 @@ def make_checkpoint(out: Path, quick: bool = False, shard_gb: float = 4.0, seed:
             weight_map.update({n: fname for n in names})
         total = sum(2 * int(np.prod(s)) for s in params.values())
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"tensors": len(params), "parameters": total // 2, "bytes": total, "shards": len(shards)}
 
@@ -145,9 +160,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     info = make_checkpoint(out, a.quick, a.shard_gb, a.seed)
     seconds = time.perf_counter() - t0
-    body = (f"{'quick (toy widths)' if a.quick else 'E2B text config'}: {info['tensors']} tensors, "
-            f"{info['parameters']:,} parameters, {info['bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shards, "
-            f"written in {seconds:.0f} s")
+    body = (
+        f"{'quick (toy widths)' if a.quick else 'E2B text config'}: {info['tensors']} tensors, "
+        f"{info['parameters']:,} parameters, {info['bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shards, "
+        f"written in {seconds:.0f} s"
+    )
     publish("random full-size checkpoint", body, a)
 
 

@@ -36,8 +36,22 @@ def free_port() -> int:
 def start_server(bundle: Path, backend: str, clients: int, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     # the queue holds every client's request but the running one: none is refused
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_ane.server", str(bundle), "--port", str(port),
-                             "--backend", backend, "--max-queue", str(clients)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gemma_ane.server",
+            str(bundle),
+            "--port",
+            str(port),
+            "--backend",
+            backend,
+            "--max-queue",
+            str(clients),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -63,8 +77,11 @@ async def load(url: str, requests: int, clients: int, max_tokens: int) -> tuple[
     async def client(c: httpx.AsyncClient):
         nonlocal tokens
         for i in todo:  # the shared iterator bounds the total
-            body = {"messages": [{"role": "user", "content": f"request {i}: say something short"}],
-                    "max_tokens": max_tokens, "seed": i}
+            body = {
+                "messages": [{"role": "user", "content": f"request {i}: say something short"}],
+                "max_tokens": max_tokens,
+                "seed": i,
+            }
             t = time.perf_counter()
             try:
                 r = await c.post("/v1/chat/completions", json=body)
@@ -77,7 +94,10 @@ async def load(url: str, requests: int, clients: int, max_tokens: int) -> tuple[
                 continue
             out = r.json()
             usage = out.get("usage", {})
-            if out["choices"][0].get("finish_reason") not in ("stop", "length") or not 0 < usage.get("completion_tokens", 0) <= max_tokens:
+            if (
+                out["choices"][0].get("finish_reason") not in ("stop", "length")
+                or not 0 < usage.get("completion_tokens", 0) <= max_tokens
+            ):
                 failures.append(f"request {i}: unexpected answer {str(out)[:200]}")
                 continue
             tokens += usage["completion_tokens"]
@@ -129,16 +149,20 @@ def main(argv=None) -> int:
 
     lat = sorted(latencies)
     name = "e2b-mini (quick)" if a.quick and not a.bundle else bundle.name
-    table = "\n".join([
-        f"bundle `{name}`, backend {backend}: {requests} chat requests of max_tokens={a.max_tokens} from "
-        f"{a.clients} concurrent clients over loopback",
-        "",
-        "| requests ok | p50 latency | p99 latency | mean latency | requests/s | completion tokens/s |",
-        "|---|---|---|---|---|---|",
-        f"| {requests - len(failures)}/{requests} | {1000 * percentile(lat, 0.5):.0f} ms | {1000 * percentile(lat, 0.99):.0f} ms "
-        f"| {1000 * sum(lat) / len(lat):.0f} ms | {requests / wall:.1f} | {tokens / wall:.1f} |" if lat else
-        f"| 0/{requests} | - | - | - | - | - |",
-    ])
+    table = "\n".join(
+        [
+            f"bundle `{name}`, backend {backend}: {requests} chat requests of max_tokens={a.max_tokens} from "
+            f"{a.clients} concurrent clients over loopback",
+            "",
+            "| requests ok | p50 latency | p99 latency | mean latency | requests/s | completion tokens/s |",
+            "|---|---|---|---|---|---|",
+            f"| {requests - len(failures)}/{requests} | {1000 * percentile(lat, 0.5):.0f} ms "
+            f"| {1000 * percentile(lat, 0.99):.0f} ms "
+            f"| {1000 * sum(lat) / len(lat):.0f} ms | {requests / wall:.1f} | {tokens / wall:.1f} |"
+            if lat
+            else f"| 0/{requests} | - | - | - | - | - |",
+        ]
+    )
     print(table)
     for f in failures[:10]:
         print(f, file=sys.stderr)

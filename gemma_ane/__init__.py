@@ -13,8 +13,9 @@ def load(bundle, backend="auto", compute_units="cpu_and_ne", verify=False, preci
     """Open a bundle: see gemma_ane.runtime.load."""
     from .runtime import load as _load
 
-    return _load(bundle, backend=backend, compute_units=compute_units, verify=verify, precision=precision,
-                 exact_rope=exact_rope)
+    return _load(
+        bundle, backend=backend, compute_units=compute_units, verify=verify, precision=precision, exact_rope=exact_rope
+    )
 
 
 def generate(model, prompt=None, messages=None, **kw):

@@ -110,8 +110,9 @@ def read_interfaces(path: Path) -> dict[str, Interface]:
     """Every function's interface, from the package's own model description, default first."""
     path = Path(path)
     if path.suffix == ".mlmodelc":
-        raise BackendError(f"{path}: reading a compiled model's interface is not supported; "
-                           "use the .mlpackage (convert --no-compile)")
+        raise BackendError(
+            f"{path}: reading a compiled model's interface is not supported; use the .mlpackage (convert --no-compile)"
+        )
     package = Package.open(path)
     names = [package.default_function] + [f for f in package.function_names if f != package.default_function]
     return {f: package.interface(f) for f in names}
@@ -129,8 +130,9 @@ def pick_backend(backend: str) -> str:
     return backend
 
 
-def open_chunks(paths: list[Path], backend: str, precision: str = "fp16",
-                compute_units: str = "cpu_and_ne") -> list[ChunkBackend]:
+def open_chunks(
+    paths: list[Path], backend: str, precision: str = "fp16", compute_units: str = "cpu_and_ne"
+) -> list[ChunkBackend]:
     """One backend per chunk package, in order; `backend` is "mil" or "coreml" (see pick_backend)."""
     if backend == "mil":
         return [MILBackend(p, precision) for p in paths]

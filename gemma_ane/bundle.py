@@ -78,9 +78,11 @@ def prompt_paths(chunks: list[dict]) -> dict:
     for fname in stateful[0]["functions"] if stateful else []:
         fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
         T = fns[0]["tokens_per_call"]
-        paths[fname] = {"tokens_per_call": T,
-                        "macs_per_prompt_token": sum(f["macs_per_token"] for f in fns),
-                        "weight_bytes_per_prompt_token": sum(f["weight_bytes"] for f in fns) / T}
+        paths[fname] = {
+            "tokens_per_call": T,
+            "macs_per_prompt_token": sum(f["macs_per_token"] for f in fns),
+            "weight_bytes_per_prompt_token": sum(f["weight_bytes"] for f in fns) / T,
+        }
     return paths
 
 
@@ -102,23 +104,33 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
             fn = program.functions[fname]
             T = io["inputs"]["hidden_states"]["shape"][1] if "hidden_states" in io["inputs"] else 1
             entry["functions"][fname] = {
-                "inputs": io["inputs"], "outputs": io["outputs"], "tokens_per_call": T,
-                "weight_bytes": weight_bytes(fn), "macs_per_token": macs(fn) // T,
+                "inputs": io["inputs"],
+                "outputs": io["outputs"],
+                "tokens_per_call": T,
+                "weight_bytes": weight_bytes(fn),
+                "macs_per_token": macs(fn) // T,
             }
         chunks.append(entry)
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
-    return {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks),
-            "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems}}
+    return {
+        "bundle": str(root),
+        "chunks": chunks,
+        "prompt_paths": prompt_paths(chunks),
+        "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems},
+    }
 
 
 # -- the host's tables: int8 sidecars read by row, RoPE tables ---------------------------------
+
 
 def _check_size(path: Path, dtype, shape) -> None:
     expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if not path.is_file():
         raise BundleError(f"{path}: missing")
     if path.stat().st_size != expected:
-        raise BundleError(f"{path}: {path.stat().st_size} bytes, expected {expected} for {tuple(shape)} {np.dtype(dtype).name}")
+        raise BundleError(
+            f"{path}: {path.stat().st_size} bytes, expected {expected} for {tuple(shape)} {np.dtype(dtype).name}"
+        )
 
 
 class RowTable:
@@ -180,7 +192,8 @@ def load_host(root: Path, config: dict) -> HostTables:
         embed_scales=_small(root / "embed_tokens_scales.bin", "<f2", (V,)),
         ple_q=RowTable(root / "embed_tokens_per_layer_q8.bin", np.int8, (V, PL)),
         ple_scales=_small(root / "embed_tokens_per_layer_scales.bin", "<f2", (V,)),
-        embed_scale=float(config["embed_scale"]), per_layer_embed_scale=float(config["per_layer_embed_scale"]),
+        embed_scale=float(config["embed_scale"]),
+        per_layer_embed_scale=float(config["per_layer_embed_scale"]),
         rope=rope,
     )
 
@@ -195,21 +208,32 @@ def _check_rope(root: Path, host: HostTables, context: int, exact: bool) -> None
     for layer_type, (cos, sin) in list(host.rope.items()):
         allowed = spec.rope[layer_type].rotated_pairs
         if cos.shape[0] < context:
-            raise BundleError(f"{root}: RoPE table for {layer_type} has {cos.shape[0]} rows, fewer than the context {context}")
+            raise BundleError(
+                f"{root}: RoPE table for {layer_type} has {cos.shape[0]} rows, fewer than the context {context}"
+            )
         probe = [1, min(1000, cos.shape[0] - 1)]  # row 0 is position 0: nothing rotates there
         found = rotated_pairs(np.asarray(cos[probe]), np.asarray(sin[probe]))
         if found > allowed:
-            warnings.warn(f"{root}: {layer_type} RoPE tables rotate {found} pairs but the config allows {allowed} "
-                          f"(partial_rotary_factor); " + ("using exact tables computed from the config" if exact
-                                                          else "using them as they are"), stacklevel=4)
+            warnings.warn(
+                f"{root}: {layer_type} RoPE tables rotate {found} pairs but the config allows {allowed} "
+                f"(partial_rotary_factor); "
+                + ("using exact tables computed from the config" if exact else "using them as they are"),
+                stacklevel=4,
+            )
             if exact:
                 host.rope[layer_type] = rope_tables(spec, context)[layer_type]
 
 
 # -- opening a bundle -----------------------------------------------------------------------------
 
-REQUIRED = ("model_config.json", "embed_tokens_q8.bin", "embed_tokens_scales.bin", "embed_tokens_per_layer_q8.bin",
-            "embed_tokens_per_layer_scales.bin", "hf_model/tokenizer.json")
+REQUIRED = (
+    "model_config.json",
+    "embed_tokens_q8.bin",
+    "embed_tokens_scales.bin",
+    "embed_tokens_per_layer_q8.bin",
+    "embed_tokens_per_layer_scales.bin",
+    "hf_model/tokenizer.json",
+)
 
 
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
@@ -225,8 +249,14 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
 
 
-def open_engine(root: str | Path, backend: str = "mil", precision: str = "fp16", compute_units: str = "cpu_and_ne",
-                logits_dtype=np.float32, exact_rope: bool = True) -> Engine:
+def open_engine(
+    root: str | Path,
+    backend: str = "mil",
+    precision: str = "fp16",
+    compute_units: str = "cpu_and_ne",
+    logits_dtype=np.float32,
+    exact_rope: bool = True,
+) -> Engine:
     """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
     sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
     read off the models themselves, so bundles converted elsewhere open too."""

@@ -26,8 +26,9 @@ def _parts(message: dict) -> list[str]:
         return []
     if isinstance(content, str):
         return [content]
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return [p["text"] for p in content]
     raise ChatError("message content must be a string or a list of text parts (the built-in formatter is text-only)")
 
@@ -38,8 +39,9 @@ def _strip_thinking(text: str) -> str:
     return "".join(part.split("<|channel>")[0] for part in text.split("<channel|>")).strip()
 
 
-def gemma4_prompt(messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False,
-                  bos_token: str = "<bos>") -> str:
+def gemma4_prompt(
+    messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, bos_token: str = "<bos>"
+) -> str:
     """The built-in Gemma 4 formatter, for bundles that carry no template: what google/gemma-4-E2B-it's own
     chat template renders for a text-only conversation without tools (tests/test_chat.py holds the two equal)."""
     for m in messages:
@@ -91,9 +93,15 @@ class ChatTemplate:
         if self._template is None:
             return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=enable_thinking, bos_token=self.bos_token,
-                                         eos_token=self.eos_token, tools=None, documents=None)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                tools=None,
+                documents=None,
+            )
         except TemplateError as e:  # SecurityError included: a template reaching for internals
             raise ChatError(f"chat template failed: {e}") from None
 
@@ -122,12 +130,12 @@ class Detokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        before = self._decode(self.tokens[self.prefix:self.read])
-        text = self._decode(self.tokens[self.prefix:])
+        before = self._decode(self.tokens[self.prefix : self.read])
+        text = self._decode(self.tokens[self.prefix :])
         if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
             return ""
         self.prefix, self.read = self.read, len(self.tokens)
-        return text[len(before):]
+        return text[len(before) :]
 
 
 @dataclass
@@ -178,8 +186,8 @@ class OutputParser:
                 self.text += out
                 return out
         hold = max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(out):]
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
         self.text += out
         return out
 
@@ -190,6 +198,6 @@ class OutputParser:
         self.pending = ""
         for s in self.stop:
             if s in tail:
-                tail, self.stopped = tail[:tail.find(s)], True
+                tail, self.stopped = tail[: tail.find(s)], True
         self.text += tail
         return Delta(content=tail)

@@ -121,8 +121,13 @@ class Checkpoint:
         for i in range(s.num_layers):
             D, I, kvh = s.head_dims[i], s.intermediate_sizes[i], s.kv_heads[i]
             p = f"layers.{i}."
-            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_per_layer_input_norm",
+            ):
                 out[p + n + ".weight"] = (H,)
             out[p + "layer_scalar"] = (1,)
             out[p + "self_attn.q_proj.weight"] = (s.num_heads * D, H)
@@ -144,8 +149,11 @@ class Checkpoint:
         where = ""
         if self.weight_map is not None:
             shard = self.weight_map.get(full)
-            where = (f" (model.safetensors.index.json puts it in {shard}, which does not hold it)" if shard
-                     else " (no shard of model.safetensors.index.json holds it)")
+            where = (
+                f" (model.safetensors.index.json puts it in {shard}, which does not hold it)"
+                if shard
+                else " (no shard of model.safetensors.index.json holds it)"
+            )
         return CheckpointError(f"{self.root}: missing tensor {full}{where}")
 
     def validate(self) -> None:
@@ -156,14 +164,14 @@ class Checkpoint:
                 raise self._missing(full)
             path, entry = self.entries[full]
             if tuple(entry["shape"]) != shape:
-                raise CheckpointError(
-                    f"{path.name}: tensor {full} has shape {tuple(entry['shape'])}, expected {shape}"
-                )
+                raise CheckpointError(f"{path.name}: tensor {full} has shape {tuple(entry['shape'])}, expected {shape}")
             if entry["dtype"] not in _DTYPES:
                 raise CheckpointError(f"{path.name}: tensor {full} has unsupported dtype {entry['dtype']}")
             begin, end = entry["data_offsets"]
             if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[entry["dtype"]]).itemsize:
-                raise CheckpointError(f"{path.name}: tensor {full} has data_offsets inconsistent with its shape and dtype")
+                raise CheckpointError(
+                    f"{path.name}: tensor {full} has data_offsets inconsistent with its shape and dtype"
+                )
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[self.prefix + name][1]["shape"])

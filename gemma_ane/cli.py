@@ -15,9 +15,13 @@ from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
 
 def _plan_table(plan: ChunkPlan) -> str:
-    lines = [f"context {plan.context}, window {plan.window}, prefill batch {plan.prefill_batch}, split {plan.split[0]},{plan.split[1]}"]
+    head = f"context {plan.context}, window {plan.window}, prefill batch {plan.prefill_batch}"
+    lines = [f"{head}, split {plan.split[0]},{plan.split[1]}"]
     for c in plan.chunks:
-        lines.append(f"\n{c.name}: layers {c.layers[0]}-{c.layers[-1]}" + ("  (stateless, + final norm, LM head, softcap)" if c.has_head else ""))
+        lines.append(
+            f"\n{c.name}: layers {c.layers[0]}-{c.layers[-1]}"
+            + ("  (stateless, + final norm, LM head, softcap)" if c.has_head else "")
+        )
         for name, t in c.states.items():
             lines.append(f"  state  {name:<24} {str(list(t.shape)):<22} {t.dtype}")
         for fname, io in c.functions.items():
@@ -44,17 +48,26 @@ def cmd_verify(a):
     from .verify import verify_bundle, verify_graph
 
     if a.bundle:
-        report = verify_bundle(a.src, a.bundle, tokens=a.tokens, precision=a.precision or "fp16", seed=a.seed,
-                               prompt_len=a.prompt_tokens)
+        report = verify_bundle(
+            a.src, a.bundle, tokens=a.tokens, precision=a.precision or "fp16", seed=a.seed, prompt_len=a.prompt_tokens
+        )
     else:
-        report = verify_graph(a.src, tokens=a.tokens, precision=a.precision or "fp32", seed=a.seed,
-                              prompt_len=a.prompt_tokens, prefill_batch=a.prefill_batch)
+        report = verify_graph(
+            a.src,
+            tokens=a.tokens,
+            precision=a.precision or "fp32",
+            seed=a.seed,
+            prompt_len=a.prompt_tokens,
+            prefill_batch=a.prefill_batch,
+        )
     if a.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions: "
-              f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
-              f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}")
+        print(
+            f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions: "
+            f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
+            f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}"
+        )
     return 0 if report["passed"] else 1
 
 
@@ -77,9 +90,17 @@ def _batches(text):
 def cmd_convert(a):
     from .convert import ConvertOptions, StageTimer, convert
 
-    opts = ConvertOptions(context=a.context, bits=a.bits, group_size=a.group_size, prefill_batch=a.prefill_batch,
-                          split=parse_split(a.split), compile=a.compile, force=a.force, layout=a.layout,
-                          kv_prefill_batches=_batches(a.kv_prefill_batches))
+    opts = ConvertOptions(
+        context=a.context,
+        bits=a.bits,
+        group_size=a.group_size,
+        prefill_batch=a.prefill_batch,
+        split=parse_split(a.split),
+        compile=a.compile,
+        force=a.force,
+        layout=a.layout,
+        kv_prefill_batches=_batches(a.kv_prefill_batches),
+    )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
     total = sum(seconds.values())
@@ -104,22 +125,29 @@ def cmd_inspect(a):
         for name, t in c["states"].items():
             print(f"  state  {name:<24} {str(t['shape']):<22} {t['dtype']}")
         for fname, f in c["functions"].items():
-            print(f"  {fname}: T={f['tokens_per_call']}, weights {f['weight_bytes'] / 1e6:.2f} MB, "
-                  f"{f['macs_per_token'] / 1e6:.2f} M MACs/token")
+            print(
+                f"  {fname}: T={f['tokens_per_call']}, weights {f['weight_bytes'] / 1e6:.2f} MB, "
+                f"{f['macs_per_token'] / 1e6:.2f} M MACs/token"
+            )
             for kind in ("inputs", "outputs"):
                 for name, t in f[kind].items():
                     print(f"    {kind[:-1]:<6} {name:<24} {str(t['shape']):<22} {t['dtype']}")
     for name, path in report["prompt_paths"].items():
-        print(f"prompt path {name}: {path['macs_per_prompt_token'] / 1e6:.2f} M MACs and "
-              f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token")
+        print(
+            f"prompt path {name}: {path['macs_per_prompt_token'] / 1e6:.2f} M MACs and "
+            f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token"
+        )
     m = report["manifest"]
     print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
     return 0 if m["verified"] else 1
 
 
 def _sampling(a) -> dict:
-    return {k: getattr(a, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-            if getattr(a, k) is not None}
+    return {
+        k: getattr(a, k)
+        for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+        if getattr(a, k) is not None
+    }
 
 
 def cmd_generate(a):
@@ -144,9 +172,11 @@ def cmd_generate(a):
 
 def _summary(last) -> str:
     """One line from the last event's Stats, as mlx-lm's generate prints them."""
-    return (f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
-            f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
-            f" | finish: {last.finish_reason}")
+    return (
+        f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
+        f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
+        f" | finish: {last.finish_reason}"
+    )
 
 
 def cmd_chat(a):
@@ -171,12 +201,12 @@ def cmd_chat(a):
             print("(conversation cleared)")
             continue
         if line.startswith("/system"):
-            system = line[len("/system"):].strip() or None
+            system = line[len("/system") :].strip() or None
             messages = []
             print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
             continue
         if line.startswith("/think"):
-            arg = line[len("/think"):].strip()
+            arg = line[len("/think") :].strip()
             if arg not in ("on", "off"):
                 print("usage: /think on|off")
                 continue
@@ -251,15 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--group-size", type=int, default=32)
     s.add_argument("--prefill-batch", type=int, default=8)
     s.add_argument("--split")
-    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile to .mlmodelc (default: on macOS only)")
+    s.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile to .mlmodelc (default: on macOS only)",
+    )
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--stats", help="also write {seconds, peak_rss_bytes} per stage to this JSON file")
-    s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes, e.g. 64,8 (default: those of 64,8 "
-                   "that divide the window; empty disables)")
-    s.add_argument("--layout", default="ours", choices=["ours", "published"],
-                   help="published: reproduce the published layout (argmax head, fp32 norm file, all-pairs RoPE)")
+    s.add_argument(
+        "--kv-prefill-batches",
+        help="KV-only prefill batch sizes, e.g. 64,8 (default: those of 64,8 that divide the window; empty disables)",
+    )
+    s.add_argument(
+        "--layout",
+        default="ours",
+        choices=["ours", "published"],
+        help="published: reproduce the published layout (argmax head, fp32 norm file, all-pairs RoPE)",
+    )
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")
@@ -294,8 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=64)
     s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
     s.add_argument("--bundle", help="verify this converted bundle (run by the MIL executor) instead of the graph")
-    s.add_argument("--precision", choices=["fp32", "fp16"],
-                   help="arithmetic of our side (default: fp32 for the graph, fp16 for a bundle)")
+    s.add_argument(
+        "--precision",
+        choices=["fp32", "fp16"],
+        help="arithmetic of our side (default: fp32 for the graph, fp16 for a bundle)",
+    )
     s.add_argument("--prefill-batch", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
@@ -304,8 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # modules behind an extra, and the extra that brings them
-_OPTIONAL = {"torch": "convert", "safetensors": "convert", "transformers": "dev", "starlette": "serve",
-             "uvicorn": "serve", "sklearn": "dev"}
+_OPTIONAL = {
+    "torch": "convert",
+    "safetensors": "convert",
+    "transformers": "dev",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "sklearn": "dev",
+}
 
 
 def main(argv=None) -> int:
@@ -318,8 +367,11 @@ def main(argv=None) -> int:
     except ImportError as e:
         if (e.name or "").split(".")[0] not in _OPTIONAL:
             raise
-        print(f"gemma-ane {args.command}: error: {e.name} is not installed "
-              f"(pip install 'gemma-ane[{_OPTIONAL[e.name.split('.')[0]]}]')", file=sys.stderr)
+        print(
+            f"gemma-ane {args.command}: error: {e.name} is not installed "
+            f"(pip install 'gemma-ane[{_OPTIONAL[e.name.split('.')[0]]}]')",
+            file=sys.stderr,
+        )
         return 2
 
 

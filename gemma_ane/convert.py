@@ -28,8 +28,15 @@ from .files import FileFormatError, building, sha256_file, tree_size
 from .host import quantize_rows, rope_tables
 from .spec import ChunkPlan, ConfigError, ModelSpec
 
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", "special_tokens_map.json", "tokenizer.model")
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 ROW_BLOCK = 8192  # rows of an embedding table quantised at a time: bounded memory at any vocab
 
 
@@ -65,6 +72,7 @@ class ConvertOptions:
 
 
 # -- coremltools glue ---------------------------------------------------------------------------
+
 
 def _register_int_fix() -> None:
     """coremltools 9.0 translates `aten::Int` of a folded (1,)-shaped constant with `int(array)`,
@@ -122,8 +130,9 @@ def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
             if key not in cache:
                 cache[key] = kmeans_lut(val, nbits, group_size)
             lut, indices = cache[key]
-            new = mb.constexpr_lut_to_dense(indices=indices.astype(index_dtype), lut=lut, before_op=op,
-                                            name=op.name + "_palettized")
+            new = mb.constexpr_lut_to_dense(
+                indices=indices.astype(index_dtype), lut=lut, before_op=op, name=op.name + "_palettized"
+            )
             op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=var, new_var=new)
             op.enclosing_block.remove_ops([op])
 
@@ -133,8 +142,10 @@ def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
 def _tensor_types(io: dict):
     import coremltools as ct
 
-    return [ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else np.float16)
-            for n, t in io.items()]
+    return [
+        ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else np.float16)
+        for n, t in io.items()
+    ]
 
 
 @contextmanager
@@ -171,7 +182,7 @@ def _lean_fp16_overflow():
                 if var.op is not None and var.op.op_type == "const" and var.is_tensor_or_scalar_of(dtype="fp32"):
                     flat = np.ravel(var.op.val.val)
                     for i in range(0, flat.size, 1 << 22):
-                        a = np.abs(flat[i:i + (1 << 22)])
+                        a = np.abs(flat[i : i + (1 << 22)])
                         if np.any((a > 65504) & (a < 1e38)):
                             return True
         return False
@@ -193,44 +204,69 @@ def trace_function(model, chunk, function: str, timer):
     model.use_function(function)
     io = chunk.functions[function]
     float_type = next(model.parameters()).dtype
-    examples = tuple(torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type)
-                     for t in io["inputs"].values())
+    examples = tuple(
+        torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type) for t in io["inputs"].values()
+    )
     with timer("trace"), torch.no_grad(), _quiet_coremltools():
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
-    states = [ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
-              for n, t in chunk.states.items()]
+    states = [
+        ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
+        for n, t in chunk.states.items()
+    ]
     with timer("convert"), _quiet_coremltools(), _lean_fp16_overflow():
         return ct.convert(
-            traced, inputs=_tensor_types(io["inputs"]),
-            outputs=[ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
-                     for n, t in io["outputs"].items()],
-            states=states or None, minimum_deployment_target=ct.target.iOS18,
-            compute_precision=ct.precision.FLOAT16, convert_to="milinternal",
+            traced,
+            inputs=_tensor_types(io["inputs"]),
+            outputs=[
+                ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
+                for n, t in io["outputs"].items()
+            ],
+            states=states or None,
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=ct.precision.FLOAT16,
+            convert_to="milinternal",
         )
 
 
-def finish_function(prog, options: ConvertOptions, lut_cache: dict, timer, skipped: set | None = None,
-                    package_dir: Path | None = None):
+def finish_function(
+    prog, options: ConvertOptions, lut_cache: dict, timer, skipped: set | None = None, package_dir: Path | None = None
+):
     """Palettize a traced program and serialise it; with `package_dir` the package is written
     there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
     import coremltools as ct
 
     if options.bits != 16:
         with timer("palettize"):
-            _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(prog)
+            _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(
+                prog
+            )
     with timer("convert"), _quiet_coremltools():
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
-        return ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                          pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True,
-                          package_dir=str(package_dir) if package_dir else None)
+        return ct.convert(
+            prog,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            pass_pipeline=ct.PassPipeline.EMPTY,
+            skip_model_load=True,
+            package_dir=str(package_dir) if package_dir else None,
+        )
 
 
-def convert_function(model, chunk, function: str, options: ConvertOptions, lut_cache: dict, timer,
-                     skipped: set | None = None, package_dir: Path | None = None):
+def convert_function(
+    model,
+    chunk,
+    function: str,
+    options: ConvertOptions,
+    lut_cache: dict,
+    timer,
+    skipped: set | None = None,
+    package_dir: Path | None = None,
+):
     """Trace, palettize and serialise one function of one chunk; returns the MLModel."""
-    return finish_function(trace_function(model, chunk, function, timer), options, lut_cache, timer, skipped,
-                           package_dir)
+    return finish_function(
+        trace_function(model, chunk, function, timer), options, lut_cache, timer, skipped, package_dir
+    )
 
 
 def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -> None:
@@ -246,6 +282,7 @@ def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -
 
 
 # -- sidecars -----------------------------------------------------------------------------------
+
 
 def _write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path) -> None:
     """Stream a [V, N] table into int8 rows + fp16 scales (CONTRACT §2), ROW_BLOCK rows at a time."""
@@ -271,7 +308,9 @@ def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name
         "num_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.kv_heads[0],
-        "head_dim": spec.head_dim_of("sliding_attention") if "sliding_attention" in spec.layer_types else spec.head_dims[0],
+        "head_dim": spec.head_dim_of("sliding_attention")
+        if "sliding_attention" in spec.layer_types
+        else spec.head_dims[0],
         "global_head_dim": spec.head_dim_of("full_attention"),
         "vocab_size": spec.vocab_size,
         "context_length": plan.context,
@@ -298,10 +337,13 @@ def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name
 def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str) -> None:
     spec = ckpt.spec
     _write_rows_int8(ckpt, "embed_tokens.weight", out / "embed_tokens_q8.bin", out / "embed_tokens_scales.bin")
-    _write_rows_int8(ckpt, "embed_tokens_per_layer.weight", out / "embed_tokens_per_layer_q8.bin",
-                     out / "embed_tokens_per_layer_scales.bin")
-    (out / "per_layer_projection.bin").write_bytes(
-        ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
+    _write_rows_int8(
+        ckpt,
+        "embed_tokens_per_layer.weight",
+        out / "embed_tokens_per_layer_q8.bin",
+        out / "embed_tokens_per_layer_scales.bin",
+    )
+    (out / "per_layer_projection.bin").write_bytes(ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
     published = options.layout == "published"
     norm = ckpt["per_layer_projection_norm.weight"]
     (out / "per_layer_norm_weight.bin").write_bytes(norm.astype("<f4" if published else "<f2").tobytes())
@@ -310,7 +352,9 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
         from .spec import Rope
 
         full = spec.rope["full_attention"]
-        spec = dataclasses.replace(spec, rope={**spec.rope, "full_attention": Rope(full.theta, full.dim // 2, full.dim)})
+        spec = dataclasses.replace(
+            spec, rope={**spec.rope, "full_attention": Rope(full.theta, full.dim // 2, full.dim)}
+        )
     tables = rope_tables(spec, rows)
     names = {"sliding_attention": "sliding", "full_attention": "full"}
     for layer_type, (cos, sin) in tables.items():
@@ -325,6 +369,7 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
 
 
 # -- manifest and model card ---------------------------------------------------------------------
+
 
 def bundle_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("manifest.json",))
@@ -342,19 +387,25 @@ def write_manifest(out: Path, src: Path, options: ConvertOptions, plan: ChunkPla
         "source": {"path": str(src), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
         "options": {**asdict(options), "split": list(plan.split)},
         "plan": plan.to_json(),
-        "files": {str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                  for p in bundle_files(out)},
+        "files": {
+            str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in bundle_files(out)
+        },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
 def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, sizes: dict) -> str:
-    quant = "fp16 weights (no palettization)" if options.bits == 16 else (
-        f"{options.bits}-bit k-means LUT palettization, one LUT per {options.group_size} output channels")
+    quant = (
+        "fp16 weights (no palettization)"
+        if options.bits == 16
+        else (f"{options.bits}-bit k-means LUT palettization, one LUT per {options.group_size} output channels")
+    )
     chunks = "\n".join(
-        f"| `{c.name}` | {c.layers[0]}-{c.layers[-1]} | {', '.join(c.functions)} | {sizes.get(c.name, 0) / 1e6:.1f} MB |"
-        for c in plan.chunks)
+        f"| `{c.name}` | {c.layers[0]}-{c.layers[-1]} | {', '.join(c.functions)} "
+        f"| {sizes.get(c.name, 0) / 1e6:.1f} MB |"
+        for c in plan.chunks
+    )
     return f"""---
 license: gemma
 base_model: {name}
@@ -394,6 +445,7 @@ used.
 
 
 # -- the whole conversion -----------------------------------------------------------------------
+
 
 class StageTimer:
     """Wall time and peak resident memory per stage. The peak comes from the kernel's high-water
@@ -444,17 +496,26 @@ def resolve_source(src: str) -> Path:
         try:
             from huggingface_hub import snapshot_download
         except ImportError:
-            raise ConvertError(f"{src}: not a local directory, and huggingface_hub is not installed to fetch it") from None
+            raise ConvertError(
+                f"{src}: not a local directory, and huggingface_hub is not installed to fetch it"
+            ) from None
         try:
             return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
         except Exception as e:  # offline or unknown repo: one line, not a traceback
-            raise ConvertError(f"{src}: could not fetch from the Hugging Face Hub ({type(e).__name__}); "
-                               "pass a local checkpoint directory") from None
+            raise ConvertError(
+                f"{src}: could not fetch from the Hugging Face Hub ({type(e).__name__}); "
+                "pass a local checkpoint directory"
+            ) from None
     raise ConvertError(f"{src}: no such checkpoint directory")
 
 
-def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), progress: bool = True,
-            timer: StageTimer | None = None) -> dict:
+def convert(
+    src: str,
+    out: str,
+    options: ConvertOptions = ConvertOptions(),
+    progress: bool = True,
+    timer: StageTimer | None = None,
+) -> dict:
     """Convert SRC into the bundle directory OUT; returns {stage: seconds} (`timer` also holds
     each stage's peak resident memory). OUT appears whole, or not at all."""
     options.check()
@@ -471,8 +532,10 @@ def convert(src: str, out: str, options: ConvertOptions = ConvertOptions(), prog
         with building(out) as tmp:
             if not compile_ and options.compile is None:
                 print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
-            sizes = {chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
-                     for chunk in plan.chunks}
+            sizes = {
+                chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
+                for chunk in plan.chunks
+            }
             name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
             with timer("sidecars"):
                 write_sidecars(ckpt, plan, options, tmp, name)
@@ -497,15 +560,22 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     if options.layout == "published":
         kv = ()  # the published build knows only infer and prefill_b8
     try:
-        plan = ChunkPlan.build(ckpt.spec, options.context, options.prefill_batch, options.split,
-                               head="token_id" if options.layout == "published" else "logits", kv_batches=kv)
+        plan = ChunkPlan.build(
+            ckpt.spec,
+            options.context,
+            options.prefill_batch,
+            options.split,
+            head="token_id" if options.layout == "published" else "logits",
+            kv_batches=kv,
+        )
     except ConfigError as e:
         raise ConvertError(str(e)) from None
     return root, ckpt, plan
 
 
-def convert_chunk(ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOptions, out: Path, timer,
-                  progress: bool, compile_: bool) -> int:
+def convert_chunk(
+    ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOptions, out: Path, timer, progress: bool, compile_: bool
+) -> int:
     """Every function of one chunk, traced, converted, palettized and merged into OUT/chunk_N; its size."""
     import torch
     from tqdm import tqdm
@@ -523,8 +593,7 @@ def convert_chunk(ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOpti
         except ValueError as e:
             raise ConvertError(f"{ckpt.root}: {e}") from None
     lut_cache, paths, skipped = {}, {}, set()
-    for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn",
-                                      disable=not progress)):
+    for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn", disable=not progress)):
         paths[function] = work / f"{chunk.name}.{function}.mlpackage"
         prog = trace_function(model, chunk, function, timer)
         if i == len(chunk.functions) - 1:
@@ -537,8 +606,10 @@ def convert_chunk(ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOpti
     del lut_cache
     gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
     if skipped:
-        print(f"note: {len(skipped)} weight(s) of {chunk.name} stay fp16: output channels not divisible by "
-              f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})")
+        print(
+            f"note: {len(skipped)} weight(s) of {chunk.name} stay fp16: output channels not divisible by "
+            f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})"
+        )
     package = out / f"{chunk.name}.mlpackage"
     with timer("merge"), _quiet_coremltools():
         merge_functions(paths, package)

@@ -41,8 +41,10 @@ class HostTables:
 
     def rope_rows(self, layer_type: str, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = self.rope[layer_type]
-        return (np.asarray(cos[p0:p0 + T], np.float32)[None, None],
-                np.asarray(sin[p0:p0 + T], np.float32)[None, None])
+        return (
+            np.asarray(cos[p0 : p0 + T], np.float32)[None, None],
+            np.asarray(sin[p0 : p0 + T], np.float32)[None, None],
+        )
 
 
 def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
@@ -54,8 +56,18 @@ def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
 class Engine:
     """Owns the position, the chunks' states and the token ids in the caches; drives chunk_1..chunk_3."""
 
-    def __init__(self, chunks: list, host: HostTables, *, context: int, window: int, prefill_batch: int | None,
-                 kv_batches: tuple[int, ...] = (), kv_ple_width: int | None = None, logits_dtype=np.float32):
+    def __init__(
+        self,
+        chunks: list,
+        host: HostTables,
+        *,
+        context: int,
+        window: int,
+        prefill_batch: int | None,
+        kv_batches: tuple[int, ...] = (),
+        kv_ple_width: int | None = None,
+        logits_dtype=np.float32,
+    ):
         self.chunks, self.host = chunks, host
         self.context, self.window, self.prefill_batch = context, window, prefill_batch
         # KV-only prefill functions (prefill_kv_b{T}), largest first, and their PLE width
@@ -68,17 +80,22 @@ class Engine:
         self.reset()
 
     @classmethod
-    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32) -> "Engine":
+    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32) -> Engine:
         """An engine whose geometry (context, window, prompt paths) is read off chunk_1's functions."""
         functions = chunks[0].interfaces
         first = functions["infer"]["inputs"]
-        batches = sorted(int(f[len("prefill_b"):]) for f in functions if f.startswith("prefill_b") and f[9:].isdigit())
-        kv = sorted(int(f[len("prefill_kv_b"):]) for f in functions if f.startswith("prefill_kv_b"))
-        return cls(chunks, host, context=first["causal_mask_full"]["shape"][-1],
-                   window=first["causal_mask_sliding"]["shape"][-1],
-                   prefill_batch=batches[-1] if batches else None, kv_batches=tuple(kv),
-                   kv_ple_width=functions[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None,
-                   logits_dtype=logits_dtype)
+        batches = sorted(int(f[len("prefill_b") :]) for f in functions if f.startswith("prefill_b") and f[9:].isdigit())
+        kv = sorted(int(f[len("prefill_kv_b") :]) for f in functions if f.startswith("prefill_kv_b"))
+        return cls(
+            chunks,
+            host,
+            context=first["causal_mask_full"]["shape"][-1],
+            window=first["causal_mask_sliding"]["shape"][-1],
+            prefill_batch=batches[-1] if batches else None,
+            kv_batches=tuple(kv),
+            kv_ple_width=functions[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None,
+            logits_dtype=logits_dtype,
+        )
 
     def reset(self) -> None:
         """Fresh, zeroed states: nothing cached."""
@@ -112,9 +129,16 @@ class Engine:
         if row is None:
             feed = {**x, **kv}
         else:  # one row of a batch: its own mask row hides the batch's later rows
-            feed = {k: (v[:, row:row + 1] if k in ("hidden_states", "per_layer_combined") else
-                        v[:, :, row:row + 1] if k.startswith(("causal_mask", "cos_", "sin_")) else v)
-                    for k, v in {**x, **kv}.items()}
+            feed = {
+                k: (
+                    v[:, row : row + 1]
+                    if k in ("hidden_states", "per_layer_combined")
+                    else v[:, :, row : row + 1]
+                    if k.startswith(("causal_mask", "cos_", "sin_"))
+                    else v
+                )
+                for k, v in {**x, **kv}.items()
+            }
         out = self._predict(2, "infer", feed)
         if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
             return np.asarray(out["token_id"]).reshape(-1)
@@ -143,7 +167,7 @@ class Engine:
         p0, T = self.position, len(ids)
         x = self._inputs(ids, p0)
         x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32)
-        x["per_layer_raw"] = x["per_layer_raw"][..., :self.kv_ple_width]
+        x["per_layer_raw"] = x["per_layer_raw"][..., : self.kv_ple_width]
         function = f"prefill_kv_b{T}"
         out1 = self._predict(0, function, x)
         x["hidden_states"] = out1["hidden_states_out"]
@@ -162,12 +186,19 @@ class Engine:
         """
         steps, p, i, B = [], p0, 0, self.prefill_batch
         while i < n:
-            kv = next((T for T in self.kv_batches if p % T == 0 and T <= n - i - 1 and p + T <= self.context),
-                      None) if logits != "all" else None
+            kv = (
+                next((T for T in self.kv_batches if p % T == 0 and T <= n - i - 1 and p + T <= self.context), None)
+                if logits != "all"
+                else None
+            )
             if kv:
                 steps.append((f"prefill_kv_b{kv}", kv))
-            elif B and B > 1 and batch_is_exact(p, B, self.window, self.context) and (
-                    n - i - 1 >= B or logits == "all" and n - i >= B):
+            elif (
+                B
+                and B > 1
+                and batch_is_exact(p, B, self.window, self.context)
+                and (n - i - 1 >= B or logits == "all" and n - i >= B)
+            ):
                 steps.append((f"prefill_b{B}", B))
             else:
                 steps.append(("infer", 1))
@@ -236,13 +267,13 @@ class Engine:
         for function, T in self.plan(self.position, n, logits):
             p = self.position
             if function.startswith("prefill_kv"):
-                self._run_kv(ids[i:i + T])
+                self._run_kv(ids[i : i + T])
             elif T > 1:
-                results += self._run(ids[i:i + T], function, "all" if logits == "all" else "none")
+                results += self._run(ids[i : i + T], function, "all" if logits == "all" else "none")
             else:
                 want = logits if (logits == "all" or i == n - 1) else "none"
-                results += self._run(ids[i:i + 1], "infer", "last" if want != "none" else "none")
+                results += self._run(ids[i : i + 1], "infer", "last" if want != "none" else "none")
             self.history.append((p, function, T))
-            self.tokens += ids[i:i + T].tolist()
+            self.tokens += ids[i : i + T].tolist()
             i += T
         return results

@@ -166,14 +166,14 @@ class ChunkModel(nn.Module):
         if D < width:
             pad = torch.zeros(1, k.shape[1], T, width - D, dtype=k.dtype)
             k, v = torch.cat([k, pad], dim=-1), torch.cat([v, pad], dim=-1)
-        cache[row:row + 1, :, pos:pos + T, :] = k.to(cache.dtype)
-        cache[row + 1:row + 2, :, pos:pos + T, :] = v.to(cache.dtype)
+        cache[row : row + 1, :, pos : pos + T, :] = k.to(cache.dtype)
+        cache[row + 1 : row + 2, :, pos : pos + T, :] = v.to(cache.dtype)
         return self._read(layer, D)
 
     def _read(self, layer: int, D: int):
         name, row = self.chunk.slot(layer)
         cache = getattr(self, name)
-        return cache[row:row + 1, :, :, :D], cache[row + 1:row + 2, :, :, :D]
+        return cache[row : row + 1, :, :, :D], cache[row + 1 : row + 2, :, :, :D]
 
     def forward(self, *inputs):
         spec, chunk = self.spec, self.chunk
@@ -186,7 +186,7 @@ class ChunkModel(nn.Module):
         if chunk.computes_ple:
             # The context half of PLE: project the scaled embedding, normalise each layer's slice,
             # add the token's own PLE row and average the two (2^-1/2).
-            weight = self.per_layer_model_projection.weight[:n_layers * P]
+            weight = self.per_layer_model_projection.weight[: n_layers * P]
             proj = F.linear(h, weight) * spec.hidden_size**-0.5
             proj = self.per_layer_projection_norm(proj.view(1, T, n_layers, P))
             raw = x["per_layer_raw"].view(1, T, n_layers, P)
@@ -211,7 +211,7 @@ class ChunkModel(nn.Module):
                     # writing first would evict slots earlier rows of the batch still need.
                     ring_k, ring_v = self._read(i, attn.head_dim)
                     k, v = torch.cat([ring_k, k_new], dim=2), torch.cat([ring_v, v_new], dim=2)
-                    h_next = layer(h, hn, per_layer[:, :, i * P:(i + 1) * P], cos, sin, k, v, mask)
+                    h_next = layer(h, hn, per_layer[:, :, i * P : (i + 1) * P], cos, sin, k, v, mask)
                     self._write(i, k_new, v_new, pos)
                     h = h_next
                     continue
@@ -220,7 +220,7 @@ class ChunkModel(nn.Module):
                 k, v = self._read(src, attn.head_dim)
             else:  # producer lives in chunk_2: its caches arrive as inputs
                 k, v = x[kv_name(src, "k")], x[kv_name(src, "v")]
-            h = layer(h, hn, per_layer[:, :, i * P:(i + 1) * P], cos, sin, k, v, mask)
+            h = layer(h, hn, per_layer[:, :, i * P : (i + 1) * P], cos, sin, k, v, mask)
 
         if chunk.has_head:
             last = self.norm(h[:, -1:, :])
@@ -237,7 +237,7 @@ class ChunkModel(nn.Module):
             outs.append(per_layer)
         if self.kv_only:
             return tuple(outs)
-        for name in self.output_names[len(outs):]:  # kv{p}_k / kv{p}_v: the producers' whole caches
+        for name in self.output_names[len(outs) :]:  # kv{p}_k / kv{p}_v: the producers' whole caches
             p, which = int(name[2:].split("_")[0]), name.rsplit("_", 1)[1]
             k, v = self._read(p, spec.head_dims[p])
             outs.append(k if which == "k" else v)
@@ -265,7 +265,7 @@ def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_ra
                 block = block.reshape(-1, rows.shape[1])
                 if not torch.isfinite(block).all() or (fp16_range and block.abs().max() > 65504):
                     raise ValueError(f"{src}: values beyond the float16 range")
-                rows[start:start + len(block)] = block
+                rows[start : start + len(block)] = block
         for m in model.modules():  # non-persistent buffers are not in the checkpoint
             if isinstance(m, RMSNorm):
                 m.sqrt_eps.fill_(m.eps**0.5)
@@ -286,9 +286,14 @@ class TorchChunk:
         self.model, self.name = model, model.chunk.name
         self.dtype = next(model.parameters()).dtype
         states = {k: v.to_json() for k, v in model.chunk.states.items()}
-        self.interfaces = {f: {"inputs": {k: v.to_json() for k, v in io["inputs"].items()},
-                               "outputs": {k: v.to_json() for k, v in io["outputs"].items()}, "states": states}
-                           for f, io in model.chunk.functions.items()}
+        self.interfaces = {
+            f: {
+                "inputs": {k: v.to_json() for k, v in io["inputs"].items()},
+                "outputs": {k: v.to_json() for k, v in io["outputs"].items()},
+                "states": states,
+            }
+            for f, io in model.chunk.functions.items()
+        }
 
     def make_state(self) -> dict | None:
         states = self.model.chunk.states

@@ -15,6 +15,7 @@ MASK_BLOCKED = np.float16(-65504.0)  # the most negative fp16: exp() of it is ex
 
 # -- int8 per-row tables (CONTRACT §2) ------------------------------------------------------------
 
+
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-row int8: scale = fp16(max|row|); q = clamp(round(w*127/scale), -127, 127)."""
     w = np.asarray(w, dtype=np.float32)
@@ -32,6 +33,7 @@ def dequantize_rows(q: np.ndarray, scale: np.ndarray, multiplier: float) -> np.n
 
 
 # -- RoPE ---------------------------------------------------------------------------------------
+
 
 def rope_table(inv_freq: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [rows, d] exactly as transformers builds them: angle = pos * inv_freq, split-half."""
@@ -54,6 +56,7 @@ def rotated_pairs(cos: np.ndarray, sin: np.ndarray) -> int:
 
 
 # -- masks (CONTRACT §3) ----------------------------------------------------------------------------
+
 
 def full_mask(p0: int, T: int, context: int, dtype=np.float16) -> np.ndarray:
     """Linear cache, slot = position: row t (position p0+t) sees slots i <= p0+t."""

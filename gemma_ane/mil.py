@@ -116,6 +116,7 @@ def _reduce(fn):
     def op(x, axes=None, keep_dims=False):
         axes = None if axes is None else _norm_axes(axes, x.ndim)
         return fn(x, axes, keep_dims)
+
     return op
 
 
@@ -159,30 +160,68 @@ def _split(x, num_splits=None, split_sizes=None, axis=0):
     return tuple(np.split(x, int(num_splits), axis=axis))
 
 
-_CAST = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": bool, "int8": np.int8,
-         "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "fp64": np.float64, "int64": np.int64}
+_CAST = {
+    "fp16": np.float16,
+    "fp32": np.float32,
+    "int32": np.int32,
+    "bool": bool,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int16": np.int16,
+    "uint16": np.uint16,
+    "fp64": np.float64,
+    "int64": np.int64,
+}
 
 # op type -> numpy implementation taking the op's inputs by name. Float math of the "compute"
 # ops runs in fp32 and is rounded to the program's dtype after the op, which is what an fp16
 # program means: fp16 storage between ops, wider accumulation inside them.
 OPS = {
-    **{name: _binary(f) for name, f in {
-        "add": np.add, "sub": np.subtract, "mul": np.multiply, "real_div": np.divide,
-        "maximum": np.maximum, "minimum": np.minimum, "pow": np.power, "floor_div": np.floor_divide,
-        "mod": np.mod, "equal": np.equal, "not_equal": np.not_equal, "less": np.less,
-        "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal,
-        "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor}.items()},
+    **{
+        name: _binary(f)
+        for name, f in {
+            "add": np.add,
+            "sub": np.subtract,
+            "mul": np.multiply,
+            "real_div": np.divide,
+            "maximum": np.maximum,
+            "minimum": np.minimum,
+            "pow": np.power,
+            "floor_div": np.floor_divide,
+            "mod": np.mod,
+            "equal": np.equal,
+            "not_equal": np.not_equal,
+            "less": np.less,
+            "less_equal": np.less_equal,
+            "greater": np.greater,
+            "greater_equal": np.greater_equal,
+            "logical_and": np.logical_and,
+            "logical_or": np.logical_or,
+            "logical_xor": np.logical_xor,
+        }.items()
+    },
     "logical_not": lambda x: np.logical_not(x),
-    "abs": lambda x: np.abs(x), "sign": lambda x: np.sign(x), "floor": lambda x: np.floor(x),
-    "ceil": lambda x: np.ceil(x), "round": lambda x: np.round(x), "square": lambda x: np.square(x),
-    "sqrt": lambda x: np.sqrt(_f32(x)), "exp": lambda x: np.exp(_f32(x)), "exp2": lambda x: np.exp2(_f32(x)),
+    "abs": lambda x: np.abs(x),
+    "sign": lambda x: np.sign(x),
+    "floor": lambda x: np.floor(x),
+    "ceil": lambda x: np.ceil(x),
+    "round": lambda x: np.round(x),
+    "square": lambda x: np.square(x),
+    "sqrt": lambda x: np.sqrt(_f32(x)),
+    "exp": lambda x: np.exp(_f32(x)),
+    "exp2": lambda x: np.exp2(_f32(x)),
     "rsqrt": lambda x, epsilon=1e-12: 1 / np.sqrt(_f32(x) + np.float32(epsilon)),
     "inverse": lambda x, epsilon=1e-4: 1 / (_f32(x) + np.float32(epsilon)),
     "log": lambda x, epsilon=1e-45: np.log(_f32(x) + np.float32(epsilon)),
-    "tanh": lambda x: np.tanh(_f32(x)), "sigmoid": lambda x: 1 / (1 + np.exp(-_f32(x))),
-    "relu": lambda x: np.maximum(x, 0), "sin": lambda x: np.sin(_f32(x)), "cos": lambda x: np.cos(_f32(x)),
+    "tanh": lambda x: np.tanh(_f32(x)),
+    "sigmoid": lambda x: 1 / (1 + np.exp(-_f32(x))),
+    "relu": lambda x: np.maximum(x, 0),
+    "sin": lambda x: np.sin(_f32(x)),
+    "cos": lambda x: np.cos(_f32(x)),
     "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
-    "gelu": _gelu, "softmax": _softmax, "silu": lambda x: _f32(x) / (1 + np.exp(-_f32(x))),
+    "gelu": _gelu,
+    "softmax": _softmax,
+    "silu": lambda x: _f32(x) / (1 + np.exp(-_f32(x))),
     "reduce_mean": _reduce(lambda x, a, k: np.mean(x, axis=a, keepdims=k, dtype=np.float32)),
     "reduce_sum": _reduce(lambda x, a, k: np.sum(x, axis=a, keepdims=k, dtype=np.float32)),
     "reduce_max": _reduce(lambda x, a, k: np.max(x, axis=a, keepdims=k)),
@@ -193,22 +232,31 @@ OPS = {
     "reduce_l1_norm": _reduce(lambda x, a, k: np.sum(np.abs(_f32(x)), axis=a, keepdims=k)),
     "reduce_log_sum_exp": _reduce(lambda x, a, k: np.log(np.sum(np.exp(_f32(x)), axis=a, keepdims=k))),
     "reduce_argmax": lambda x, axis=-1, keep_dims=False, output_dtype="int32": np.argmax(
-        x, axis=int(axis), keepdims=keep_dims).astype(_CAST[output_dtype]),
+        x, axis=int(axis), keepdims=keep_dims
+    ).astype(_CAST[output_dtype]),
     "reduce_argmin": lambda x, axis=-1, keep_dims=False, output_dtype="int32": np.argmin(
-        x, axis=int(axis), keepdims=keep_dims).astype(_CAST[output_dtype]),
+        x, axis=int(axis), keepdims=keep_dims
+    ).astype(_CAST[output_dtype]),
     "matmul": lambda x, y, transpose_x=False, transpose_y=False: np.matmul(
-        _f32(x).swapaxes(-1, -2) if transpose_x else _f32(x), _f32(y).swapaxes(-1, -2) if transpose_y else _f32(y)),
-    "concat": lambda values, axis, interleave=False: np.concatenate(values, axis=int(axis)) if not interleave
-    else np.stack(values, axis=int(axis) % values[0].ndim + 1).reshape(
-        *values[0].shape[:int(axis) % values[0].ndim], -1, *values[0].shape[int(axis) % values[0].ndim + 1:]),
+        _f32(x).swapaxes(-1, -2) if transpose_x else _f32(x), _f32(y).swapaxes(-1, -2) if transpose_y else _f32(y)
+    ),
+    "concat": lambda values, axis, interleave=False: (
+        np.concatenate(values, axis=int(axis))
+        if not interleave
+        else np.stack(values, axis=int(axis) % values[0].ndim + 1).reshape(
+            *values[0].shape[: int(axis) % values[0].ndim], -1, *values[0].shape[int(axis) % values[0].ndim + 1 :]
+        )
+    ),
     "split": _split,
     "slice_by_index": _slice_by_index,
-    "slice_by_size": lambda x, begin, size: x[tuple(slice(int(b), None if int(s) == -1 else int(b) + int(s))
-                                                    for b, s in zip(begin, size))],
+    "slice_by_size": lambda x, begin, size: x[
+        tuple(slice(int(b), None if int(s) == -1 else int(b) + int(s)) for b, s in zip(begin, size))
+    ],
     "slice_update": _slice_update,
     "gather": _gather,
     "gather_along_axis": lambda x, indices, axis=0, validate_indices=False: np.take_along_axis(
-        x, np.asarray(indices).astype(np.int64), axis=int(axis)),
+        x, np.asarray(indices).astype(np.int64), axis=int(axis)
+    ),
     "reshape": lambda x, shape: np.reshape(x, tuple(int(s) for s in shape)),
     "transpose": lambda x, perm: np.transpose(x, tuple(int(p) for p in perm)),
     "expand_dims": lambda x, axes: np.expand_dims(x, tuple(int(a) for a in np.atleast_1d(axes))),
@@ -261,6 +309,7 @@ class MILState:
 
 # -- load time: which buffers a var may share --------------------------------------------------------
 
+
 class Root(Enum):
     """Whose buffer a var may share (numpy views share memory with their source). A buffer is a
     (Root, var name) pair: the var that made it, or the state or input it came in as."""
@@ -268,7 +317,7 @@ class Root(Enum):
     STATE = "state"  # a state's array, as read_state hands it out
     INPUT = "input"  # the caller's array
     CONST = "const"  # a constant of the program, reused by every call
-    OWN = "own"      # an array a step made in this call
+    OWN = "own"  # an array a step made in this call
 
 
 def _last_uses(fn, ops) -> dict[str, int]:
@@ -276,7 +325,7 @@ def _last_uses(fn, ops) -> dict[str, int]:
     last = {}
     for i, op in enumerate(ops):
         for v in op.inputs.values():
-            for var in (v if isinstance(v, (list, tuple)) else [v]):
+            for var in v if isinstance(v, (list, tuple)) else [v]:
                 last[var.name] = i
     last.update({v.name: len(ops) for v in fn.outputs})
     return last
@@ -304,8 +353,11 @@ class _Aliases:
         self.inplace, self.adopt = set(), set()  # op indices
         for i, op in enumerate(ops):
             self._visit(i, op)
-        self.copy_outputs = {v.name for v in fn.outputs if self.root[v.name] in self.held.values()
-                             or self.root[v.name][0] in (Root.INPUT, Root.CONST)}
+        self.copy_outputs = {
+            v.name
+            for v in fn.outputs
+            if self.root[v.name] in self.held.values() or self.root[v.name][0] in (Root.INPUT, Root.CONST)
+        }
 
     def _set(self, var, buffer) -> None:
         self.root[var.name] = buffer
@@ -347,7 +399,7 @@ class _Aliases:
         return holder is None or self._overwritten_before_read(holder, i)
 
     def _overwritten_before_read(self, state: str, i: int) -> bool:
-        for op in self.ops[i + 1:]:
+        for op in self.ops[i + 1 :]:
             if op.op_type == "read_state" and op.inputs["input"].name == state:
                 return False
             if op.op_type == "coreml_update_state" and op.inputs["state"].name == state:
@@ -359,6 +411,7 @@ class _Aliases:
 
 
 # -- load time: constants, and one closure per op -----------------------------------------------------
+
 
 def _static(v) -> bool:
     """A const op's output: handed to steps as a value, not through the env."""
@@ -400,6 +453,7 @@ def _slots(fn, ops) -> dict[str, int]:
 def _read_state_step(name: str, out: int):
     def run(env, state):
         env[out] = state.arrays[name]
+
     run.needs_state = True
     return run
 
@@ -413,6 +467,7 @@ def _update_state_step(name: str, value: int, out: int, adopt: bool):
             arr = np.array(arr, dtype=state.arrays[name].dtype)
         state.arrays[name] = arr
         env[out] = arr
+
     run.needs_state = True
     return run
 
@@ -430,6 +485,7 @@ def _op_step(fn, static: dict, dynamic: dict, outs: list, dtypes: list):
                 env[o] = np.asarray(r).astype(d, copy=False)
         else:
             env[outs[0]] = np.asarray(result).astype(dtypes[0], copy=False)
+
     return run
 
 
@@ -437,6 +493,7 @@ def _gemm_step(x: int, wt, b, out: int, dtype):
     def run(env):
         y = _f32(env[x]) @ wt
         env[out] = (y if b is None else y + b).astype(dtype, copy=False)
+
     return run
 
 
@@ -479,8 +536,9 @@ class MILModel:
         self.package, self.path, self.precision = loader.package, loader.package.path, loader.precision
         self.function_name = function_name or self.package.default_function
         if self.function_name not in self.package.function_names:
-            raise ExecutionError(f"{self.path}: no function {self.function_name!r} "
-                                 f"(has {', '.join(self.package.function_names)})")
+            raise ExecutionError(
+                f"{self.path}: no function {self.function_name!r} (has {', '.join(self.package.function_names)})"
+            )
         self.interface = self.package.interface(self.function_name)
         self._weights = loader.weights  # the package's: its functions share one fp32 copy of each weight
         self._compile(loader.program.functions[self.function_name])
@@ -492,8 +550,10 @@ class MILModel:
         ops = list(fn.operations)
         for op in ops:
             if op.op_type not in OPS and op.op_type not in ("const", "read_state", "coreml_update_state", "linear"):
-                raise ExecutionError(f"function {self.function_name!r}: op type {op.op_type!r} is not implemented "
-                                     f"by the MIL executor (op {op.name})")
+                raise ExecutionError(
+                    f"function {self.function_name!r}: op type {op.op_type!r} is not implemented "
+                    f"by the MIL executor (op {op.name})"
+                )
         slots, aliases = _slots(fn, ops), _Aliases(fn, ops)
         consts, consumed = self._constants(ops, slots)
         steps = [(op.op_type, self._step(i, op, slots, consts, aliases)) for i, op in enumerate(ops) if not _folded(op)]
@@ -508,8 +568,9 @@ class MILModel:
         self._copy_outputs = aliases.copy_outputs
         missing = [n for n in self.interface["outputs"] if n not in self._outputs]
         if missing:
-            raise ExecutionError(f"{self.path}: function {self.function_name!r} declares outputs {missing} "
-                                 "its program lacks")
+            raise ExecutionError(
+                f"{self.path}: function {self.function_name!r} declares outputs {missing} its program lacks"
+            )
 
     def _constants(self, ops, slots) -> tuple[list, list]:
         """The env every call starts from: each constant loaded (floats in the working dtype), and
@@ -522,8 +583,11 @@ class MILModel:
             if op.op_type == "const":
                 arr = np.asarray(var.val)
                 consts[s] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
-                if _linear_weight_only(var) or var.child_ops and all(c.op_type.startswith("constexpr_")
-                                                                    for c in var.child_ops):
+                if (
+                    _linear_weight_only(var)
+                    or var.child_ops
+                    and all(c.op_type.startswith("constexpr_") for c in var.child_ops)
+                ):
                     consumed.append(s)
             elif not (_linear_weight_only(var) and _weight_key(var) in self._weights):
                 # a weight another function of the package already widened is not decompressed again
@@ -537,8 +601,11 @@ class MILModel:
     def _step(self, i: int, op, slots: dict, consts: list, aliases: _Aliases):
         kind = op.op_type
         static = {n: _value(v) for n, v in op.inputs.items() if _static(v)}
-        dynamic = {n: [slots[x.name] for x in v] if isinstance(v, (list, tuple)) else slots[v.name]
-                   for n, v in op.inputs.items() if not _static(v)}
+        dynamic = {
+            n: [slots[x.name] for x in v] if isinstance(v, (list, tuple)) else slots[v.name]
+            for n, v in op.inputs.items()
+            if not _static(v)
+        }
         outs = [slots[o.name] for o in op.outputs]
         dtypes = [self._float(_var_dtype(o)) for o in op.outputs]
         if kind == "linear":
@@ -554,8 +621,10 @@ class MILModel:
 
     def _linear_step(self, op, static: dict, dynamic: dict, consts: list, out: int, dtype):
         if not all(_folded_var(op.inputs[n]) for n in ("weight", "bias") if n in op.inputs):
-            raise ExecutionError(f"function {self.function_name!r}: linear op {op.name} has a weight or bias "
-                                 "computed at run time (MIL requires constants)")
+            raise ExecutionError(
+                f"function {self.function_name!r}: linear op {op.name} has a weight or bias "
+                "computed at run time (MIL requires constants)"
+            )
         weight = static["weight"] if "weight" in static else consts[dynamic["weight"]]
         key = _weight_key(op.inputs["weight"])
         # Weights are constants: transposed and widened to fp32 once per package (functions share
@@ -563,13 +632,16 @@ class MILModel:
         if key not in self._weights:
             self._weights[key] = np.ascontiguousarray(_f32(weight).T)
         bias = static["bias"] if "bias" in static else consts[dynamic["bias"]] if "bias" in dynamic else None
-        return _gemm_step(dynamic["x"], self._weights[key], None if bias is None or not np.any(bias) else _f32(bias),
-                          out, dtype)
+        return _gemm_step(
+            dynamic["x"], self._weights[key], None if bias is None or not np.any(bias) else _f32(bias), out, dtype
+        )
 
     # -- run time ------------------------------------------------------------------------------------
     def make_state(self) -> MILState:
-        arrays = {name: np.zeros(t["shape"], dtype=self._float(np.dtype(t["dtype"])))
-                  for name, t in self.interface["states"].items()}
+        arrays = {
+            name: np.zeros(t["shape"], dtype=self._float(np.dtype(t["dtype"])))
+            for name, t in self.interface["states"].items()
+        }
         return MILState(self.path, arrays)
 
     def _check_inputs(self, inputs: dict) -> None:
@@ -584,8 +656,10 @@ class MILModel:
             shape = tuple(np.shape(a))
             dtype = getattr(a, "dtype", type(a).__name__)
             if shape != tuple(t["shape"]) or str(dtype) != t["dtype"]:
-                raise ExecutionError(f"{self.function_name}: input {name!r} expects {tuple(t['shape'])} {t['dtype']}, "
-                                     f"got {shape} {dtype}")
+                raise ExecutionError(
+                    f"{self.function_name}: input {name!r} expects {tuple(t['shape'])} {t['dtype']}, "
+                    f"got {shape} {dtype}"
+                )
 
     def predict(self, inputs: dict, state: MILState | None = None) -> dict:
         self._check_inputs(inputs)
@@ -603,8 +677,11 @@ class MILModel:
                 step(env, state)
             else:
                 step(env)
-        return {name: (env[s].copy() if name in self._copy_outputs else env[s])
-                for name, s in self._outputs.items() if name in self.interface["outputs"]}
+        return {
+            name: (env[s].copy() if name in self._copy_outputs else env[s])
+            for name, s in self._outputs.items()
+            if name in self.interface["outputs"]
+        }
 
 
 class MILPackage:

@@ -47,8 +47,10 @@ class Package:
 
         path = Path(path)
         if path.suffix == ".mlmodelc":
-            raise PackageError(f"{path}: compiled .mlmodelc programs cannot be read back here; "
-                               "keep the .mlpackage (convert --no-compile) to inspect or execute it")
+            raise PackageError(
+                f"{path}: compiled .mlmodelc programs cannot be read back here; "
+                "keep the .mlpackage (convert --no-compile) to inspect or execute it"
+            )
         if not (path / "Manifest.json").is_file():
             raise PackageError(f"{path}: not an .mlpackage (no Manifest.json)")
         try:
@@ -95,6 +97,7 @@ class Package:
 
 
 # -- static costs of a function, read off its ops -----------------------------------------------
+
 
 def _bits(var) -> int:
     from coremltools.converters.mil.mil import types

@@ -39,8 +39,9 @@ def _fp16_order():
 _KEY_NP, _VALUES = _fp16_order()
 
 
-def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_iter: int = 300,
-               block_bins: int = 1 << 24):
+def kmeans_lut(
+    weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_iter: int = 300, block_bins: int = 1 << 24
+):
     """LUT-quantize a [out, in] weight (as the fp16 values a program stores) per group of
     `group_size` output channels.
 
@@ -58,11 +59,13 @@ def kmeans_lut(weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_ite
     # `block_bins` entries (the LM head has 8192 groups; all at once would need ~6 GB).
     present = np.zeros(_CODES, bool)
     for r in range(0, out, max(1, (1 << 22) // cols)):  # in blocks: key arrays of the LM head are GBs
-        present |= np.bincount(_KEY_NP[w16[r:r + max(1, (1 << 22) // cols)].view(np.uint16)].reshape(-1),
-                               minlength=_CODES) > 0
+        present |= (
+            np.bincount(_KEY_NP[w16[r : r + max(1, (1 << 22) // cols)].view(np.uint16)].reshape(-1), minlength=_CODES)
+            > 0
+        )
     per_block = max(1, block_bins // int(present.sum())) * group_size
     if out > per_block:
-        parts = [_kmeans_block(w16[r:r + per_block], nbits, group_size, max_iter) for r in range(0, out, per_block)]
+        parts = [_kmeans_block(w16[r : r + per_block], nbits, group_size, max_iter) for r in range(0, out, per_block)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     return _kmeans_block(w16, nbits, group_size, max_iter)
 

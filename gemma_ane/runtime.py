@@ -8,9 +8,9 @@ elsewhere (the published layout included) run too.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Iterator
 
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
@@ -58,8 +58,16 @@ class Event(Stats):
 
 
 class Model:
-    def __init__(self, root: Path, engine: Engine, tokenizer, template: ChatTemplate, generation: dict,
-                 config: dict, backend: str):
+    def __init__(
+        self,
+        root: Path,
+        engine: Engine,
+        tokenizer,
+        template: ChatTemplate,
+        generation: dict,
+        config: dict,
+        backend: str,
+    ):
         self.root, self.engine, self.tokenizer, self.template = root, engine, tokenizer, template
         self.generation, self.config, self.backend = generation, config, backend
         eos = generation.get("eos_token_id", [])
@@ -72,14 +80,15 @@ class Model:
 
     @property
     def head(self) -> str:
-        """"logits", or "token_id" for the published layout's argmax head (greedy only)."""
+        """ "logits", or "token_id" for the published layout's argmax head (greedy only)."""
         return self.engine.head
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def prompt_ids(self, prompt=None, messages=None, raw: bool = False, enable_thinking: bool = False,
-                   system: str | None = None) -> list[int]:
+    def prompt_ids(
+        self, prompt=None, messages=None, raw: bool = False, enable_thinking: bool = False, system: str | None = None
+    ) -> list[int]:
         if messages is None:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
@@ -87,18 +96,32 @@ class Model:
                 if system:
                     raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
                 return [self.config.get("bos_token_id", BOS)] + self.encode(prompt)
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
         return self.encode(self.template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking))
 
     def reset(self) -> None:
         self.engine.reset()
 
-    def stream_generate(self, prompt=None, messages=None, *, max_tokens: int = 256, stop=None, raw: bool = False,
-                        enable_thinking: bool = False, system: str | None = None, **sampling) -> Iterator[Event]:
+    def stream_generate(
+        self,
+        prompt=None,
+        messages=None,
+        *,
+        max_tokens: int = 256,
+        stop=None,
+        raw: bool = False,
+        enable_thinking: bool = False,
+        system: str | None = None,
+        **sampling,
+    ) -> Iterator[Event]:
         params = SamplingParams.from_generation_config(self.generation, **sampling)
         if self.head != "logits" and params.temperature != 0.0 and params.top_k != 1:
-            raise ValueError("this bundle's chunk_3 returns only the argmax token (published layout): "
-                             "sampling is not possible; use temperature=0")
+            raise ValueError(
+                "this bundle's chunk_3 returns only the argmax token (published layout): "
+                "sampling is not possible; use temperature=0"
+            )
         if isinstance(stop, str):
             stop = [stop]
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system)
@@ -138,10 +161,16 @@ class Model:
         end = time.perf_counter()
         tail = parser.finish().content if finish == "length" else ""
         ttft, decode_s = (t_first or end) - t0, end - (t_first or end)
-        yield Event(text=tail, finish_reason=finish, prompt_tokens=len(ids), reused_tokens=reused,
-                    generated_tokens=generated, time_to_first_token=ttft if t_first else 0.0,
-                    prefill_tokens_per_s=(len(ids) - reused) / ttft if t_first and ttft else 0.0,
-                    decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0)
+        yield Event(
+            text=tail,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            reused_tokens=reused,
+            generated_tokens=generated,
+            time_to_first_token=ttft if t_first else 0.0,
+            prefill_tokens_per_s=(len(ids) - reused) / ttft if t_first and ttft else 0.0,
+            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
+        )
 
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
@@ -163,8 +192,14 @@ class Model:
         return r
 
 
-def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verify: bool = False,
-         precision: str = "fp16", exact_rope: bool = True) -> Model:
+def load(
+    bundle,
+    backend: str = "auto",
+    compute_units: str = "cpu_and_ne",
+    verify: bool = False,
+    precision: str = "fp16",
+    exact_rope: bool = True,
+) -> Model:
     """Open and validate a bundle. `verify=True` also checks every file's sha256 against the manifest."""
     from tokenizers import Tokenizer
 
@@ -174,15 +209,24 @@ def load(bundle, backend: str = "auto", compute_units: str = "cpu_and_ne", verif
     problems = check_bundle(root, sha256=verify)
     if problems:
         more = len(problems) - 1
-        raise BundleError(problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else ""))
+        raise BundleError(
+            problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else "")
+        )
     backend = pick_backend(backend)
     # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
     engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
     tokenizer = Tokenizer.from_file(str(root / "hf_model" / "tokenizer.json"))
     gen_path = root / "hf_model" / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else {}
-    return Model(root, engine, tokenizer, _template(root / "hf_model"), generation,
-                 read_json(root / "model_config.json"), backend)
+    return Model(
+        root,
+        engine,
+        tokenizer,
+        _template(root / "hf_model"),
+        generation,
+        read_json(root / "model_config.json"),
+        backend,
+    )
 
 
 def _template(hf: Path) -> ChatTemplate:
@@ -194,5 +238,7 @@ def _template(hf: Path) -> ChatTemplate:
         cfg = read_json(hf / "tokenizer_config.json")
         if source is None and isinstance(cfg.get("chat_template"), str):
             source = cfg["chat_template"]
-    tok = lambda k, d: cfg.get(k) if isinstance(cfg.get(k), str) else d
-    return ChatTemplate(source, bos_token=tok("bos_token", "<bos>"), eos_token=tok("eos_token", "<eos>"))
+    bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
+    return ChatTemplate(
+        source, bos_token=bos if isinstance(bos, str) else "<bos>", eos_token=eos if isinstance(eos, str) else "<eos>"
+    )

@@ -34,11 +34,15 @@ class SamplingParams:
     # n >= 0: the chosen token's logprob and n alternatives
     logprobs: int | None = None
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         def num(name, lo=None, hi=None, lo_open=False, integer=False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()) \
-                    or not np.isfinite(v):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (integer and not float(v).is_integer())
+                or not np.isfinite(v)
+            ):
                 raise SamplingError(f"{name}={v!r}: expected {'an integer' if integer else 'a number'}", param=name)
             if lo is not None and (v <= lo if lo_open else v < lo):
                 raise SamplingError(f"{name}={v!r}: must be {'>' if lo_open else '>='} {lo}", param=name)
@@ -59,7 +63,7 @@ class SamplingParams:
         return self
 
     @classmethod
-    def from_generation_config(cls, config: dict, **overrides) -> "SamplingParams":
+    def from_generation_config(cls, config: dict, **overrides) -> SamplingParams:
         """Defaults from generation_config.json (do_sample=false means greedy), then the caller's."""
         base = {}
         if config.get("do_sample") is False:

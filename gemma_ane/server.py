@@ -41,8 +41,16 @@ _END = object()  # the worker's last item for a job: nothing more will come
 class APIError(Exception):
     """A request the server refuses, rendered in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -52,6 +60,7 @@ class APIError(Exception):
 
 
 # -- the engine's worker ----------------------------------------------------------------------------
+
 
 class Job:
     """One generation: its arguments, a cancel flag the worker checks between tokens, and the
@@ -193,8 +202,15 @@ def _lp(x: float) -> float:
 
 # -- request parsing ------------------------------------------------------------------------------
 
-_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
-               list: "an array", type(None): "null"}
+_JSON_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "an object",
+    list: "an array",
+    type(None): "null",
+}
 NUMBER = (int, float)
 
 
@@ -205,8 +221,9 @@ def _field(body: dict, name: str, kind, default=None):
         return default
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
         want = "a number" if kind is NUMBER else _JSON_NAMES[kind]
-        raise APIError(400, f"{name}: expected {want}, got {_JSON_NAMES.get(type(value), type(value).__name__)}",
-                       param=name)
+        raise APIError(
+            400, f"{name}: expected {want}, got {_JSON_NAMES.get(type(value), type(value).__name__)}", param=name
+        )
     return value
 
 
@@ -221,13 +238,18 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"{where}: expected an object with a string 'role'", param=where)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                               param=f"{where}.content")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise APIError(
+                    400,
+                    f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                    param=f"{where}.content",
+                )
         elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"{where}.content: expected a string or an array of text parts",
-                           param=f"{where}.content")
+            raise APIError(
+                400, f"{where}.content: expected a string or an array of text parts", param=f"{where}.content"
+            )
         # OpenAI's newer clients send system prompts as "developer"
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
@@ -266,16 +288,22 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     tokenizer, see `count_prompt`)."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
-        raise APIError(404, f"The model `{name}` does not exist: this server runs `{model_name}`", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist: this server runs `{model_name}`",
+            param="model",
+            code="model_not_found",
+        )
     n = _field(body, "n", int, 1)
     if n != 1:
         raise APIError(400, f"n={n}: only n=1 is supported", param="n")
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
-    sampling = {k: _field(body, k, NUMBER) for k in ("temperature", "top_p", "min_p", "repetition_penalty",
-                                                     "presence_penalty", "frequency_penalty")}
+    sampling = {
+        k: _field(body, k, NUMBER)
+        for k in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    }
     sampling["top_k"] = _field(body, "top_k", int)
     sampling["seed"] = _field(body, "seed", int)
     kwargs = {"stop": _stop(body)}
@@ -287,8 +315,9 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
         if _field(_field(body, "response_format", dict, {}), "type", str, "text") != "text":
             raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
-        kwargs["enable_thinking"] = _field(template_kwargs, "enable_thinking", bool,
-                                           _field(body, "enable_thinking", bool, False))
+        kwargs["enable_thinking"] = _field(
+            template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
+        )
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int)
         if top is not None and not want:
@@ -309,8 +338,9 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
         kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16)  # the legacy API's default
         lp_param = "logprobs"
     if logprobs is not None and getattr(model, "head", "logits") != "logits":
-        raise APIError(400, "logprobs: this bundle's head returns only the chosen token (published layout)",
-                       param=lp_param)
+        raise APIError(
+            400, "logprobs: this bundle's head returns only the chosen token (published layout)", param=lp_param
+        )
     sampling["logprobs"] = logprobs
     try:
         SamplingParams.from_generation_config(model.generation, **sampling)
@@ -327,17 +357,26 @@ def count_prompt(model, req: Request) -> int:
     kw = req.kwargs
     param = "messages" if req.kind == "chat" else "prompt"
     try:
-        ids = model.prompt_ids(kw.get("prompt"), kw.get("messages"), raw=kw.get("raw", False),
-                               enable_thinking=kw.get("enable_thinking", False))
+        ids = model.prompt_ids(
+            kw.get("prompt"),
+            kw.get("messages"),
+            raw=kw.get("raw", False),
+            enable_thinking=kw.get("enable_thinking", False),
+        )
     except ChatError as e:
         raise APIError(400, str(e), param=param) from None
     if len(ids) > model.context:
-        raise APIError(400, f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
+            param=param,
+            code="context_length_exceeded",
+        )
     return len(ids)
 
 
 # -- responses ------------------------------------------------------------------------------------
+
 
 class Render:
     """Turns the runtime's events into OpenAI response objects: whole, or as stream chunks."""
@@ -363,11 +402,17 @@ class Render:
         if self.req.logprobs is None:
             return None
         if self.chat:
+
             def entry(token, lp):
                 text, raw = self.vocab(token)
                 return {"token": text, "logprob": _lp(lp), "bytes": raw}
-            return {"content": [{**entry(ev.token, ev.logprob),
-                                 "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]} for ev in events]}
+
+            return {
+                "content": [
+                    {**entry(ev.token, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]}
+                    for ev in events
+                ]
+            }
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for ev in events:
             text = self.vocab(ev.token)[0]
@@ -399,8 +444,11 @@ class Render:
         return out
 
     def start(self) -> list[dict]:
-        return [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})] \
-            if self.chat else []
+        return (
+            [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+            if self.chat
+            else []
+        )
 
     def step(self, ev) -> list[dict]:
         """The chunks for one event: its text and reasoning (and token logprobs), then, on the
@@ -499,9 +547,17 @@ class Generation:
         await _send_json(send, 200, self.render.whole(events))
 
     async def _stream(self, item, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-accel-buffering", b"no")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
         chunks = self.render.start()
         while item is not _END and not self.job.cancelled.is_set():
             if isinstance(item, BaseException):
@@ -519,6 +575,7 @@ class Generation:
 
 
 # -- the app --------------------------------------------------------------------------------------
+
 
 async def _read_json(request, max_body: int) -> dict:
     from starlette.requests import ClientDisconnect
@@ -564,12 +621,14 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or incorrect API key (send 'Authorization: Bearer KEY')", code="invalid_api_key"
+            )
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": model_name, "generating": worker.current is not None,
-                             "waiting": worker.waiting})
+        return JSONResponse(
+            {"status": "ok", "model": model_name, "generating": worker.current is not None, "waiting": worker.waiting}
+        )
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": started, "owned_by": "gemma-ane"}
@@ -581,8 +640,9 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
     async def one_model(request):
         authorize(request)
         if request.path_params["name"] != model_name:
-            raise APIError(404, f"The model `{request.path_params['name']}` does not exist", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404, f"The model `{request.path_params['name']}` does not exist", param="model", code="model_not_found"
+            )
         return JSONResponse(model_card())
 
     def endpoint(kind: str, prefix: str):
@@ -593,9 +653,15 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
             if not worker.submit(job):
-                raise APIError(429, f"the queue is full ({max_queue} requests waiting); retry shortly",
-                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+                raise APIError(
+                    429,
+                    f"the queue is full ({max_queue} requests waiting); retry shortly",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
             return Generation(job, Render(req, rid, model_name, vocab))
+
         return generate
 
     async def api_error(request, exc: APIError):
@@ -604,8 +670,11 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
     async def http_error(request, exc):
         code = "not_found" if exc.status_code == 404 else None
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            APIError(exc.status_code, message, code=code).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def server_error(request, exc):
         # the traceback goes to the server's log (Starlette re-raises after this), never to the client
@@ -616,19 +685,29 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
         yield
         await run_in_threadpool(worker.stop)
 
-    app = Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", one_model, methods=["GET"]),
-        Route("/v1/chat/completions", endpoint("chat", "chatcmpl"), methods=["POST"]),
-        Route("/v1/completions", endpoint("completion", "cmpl"), methods=["POST"]),
-    ], exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", one_model, methods=["GET"]),
+            Route("/v1/chat/completions", endpoint("chat", "chatcmpl"), methods=["POST"]),
+            Route("/v1/completions", endpoint("completion", "cmpl"), methods=["POST"]),
+        ],
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
     app.state.worker = worker
     return app
 
 
-def serve(bundle, host: str = "127.0.0.1", port: int = 8080, backend: str = "auto", api_key: str | None = None,
-          max_queue: int = 16) -> None:
+def serve(
+    bundle,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    backend: str = "auto",
+    api_key: str | None = None,
+    max_queue: int = 16,
+) -> None:
     """Load `bundle` and serve it until interrupted."""
     import uvicorn
 
@@ -649,9 +728,16 @@ def serve(bundle, host: str = "127.0.0.1", port: int = 8080, backend: str = "aut
 
 # -- command line ---------------------------------------------------------------------------------
 
+
 def _cmd_serve(a) -> int:
-    serve(a.bundle, host=a.host, port=a.port, backend=a.backend, api_key=a.api_key or os.environ.get(API_KEY_ENV),
-          max_queue=a.max_queue)
+    serve(
+        a.bundle,
+        host=a.host,
+        port=a.port,
+        backend=a.backend,
+        api_key=a.api_key or os.environ.get(API_KEY_ENV),
+        max_queue=a.max_queue,
+    )
     return 0
 
 
@@ -661,8 +747,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait behind the running one; more get 429 (default 16)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait behind the running one; more get 429 (default 16)",
+    )
     p.set_defaults(fn=_cmd_serve)
 
 

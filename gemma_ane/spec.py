@@ -135,11 +135,14 @@ class ModelSpec:
         text = _text_config(config)
         get = partial(_get, text)
         act = _check_supported(text)
-        hidden, n_layers, n_heads, n_kv, head_dim = (get(name) for name in (
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
+        hidden, n_layers, n_heads, n_kv, head_dim = (
+            get(name)
+            for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+        )
         if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0:
             raise ConfigError(
-                "hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim must be > 0")
+                "hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim must be > 0"
+            )
         layer_types = _layer_types(text.get("layer_types"), n_layers)
         k_eq_v = get("attention_k_eq_v", bool, False)
         head_dims, kv_heads = _head_shapes(text, layer_types, head_dim, n_kv, k_eq_v)
@@ -187,6 +190,7 @@ class ModelSpec:
 
 # -- reading a config: one step of ModelSpec.from_config each ----------------------------------
 
+
 def _text_config(config) -> dict:
     """The text part of either Hub form (multimodal with text_config, or text-only), if it is Gemma 4."""
     if not isinstance(config, dict):
@@ -207,8 +211,14 @@ def _get(text: dict, name: str, kind=int, default=...):
             raise ConfigError(f"{name}: missing")
         return default
     value = text[name]
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    ok = (
+        isinstance(value, bool)
+        if kind is bool
+        else (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (kind is float or float(value).is_integer())
+        )
     )
     if not ok:
         raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
@@ -293,7 +303,8 @@ def _check_head_shapes(layer_types: list[str], head_dims: list[int], kv_heads: l
             raise ConfigError(f"layer {i}: head_dim and num_key_value_heads must be > 0")
         if n_heads % kv_heads[i]:
             raise ConfigError(
-                f"layer {i}: num_attention_heads={n_heads} is not a multiple of its {kv_heads[i]} KV heads")
+                f"layer {i}: num_attention_heads={n_heads} is not a multiple of its {kv_heads[i]} KV heads"
+            )
         if head_dims[i] % 2:
             raise ConfigError(f"layer {i}: head_dim={head_dims[i]} must be even for RoPE")
     # one state (and one RoPE table) per attention type: all its layers need one head dim
@@ -314,8 +325,10 @@ def _kv_sources(layer_types: list[str], head_dims: list[int], kv_heads: list[int
     for i in range(first_shared, n_layers):
         owners = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
         if not owners:
-            raise ConfigError(f"num_kv_shared_layers={n_shared}: layer {i} ({layer_types[i]}) is KV-shared "
-                              "but no earlier layer of that type owns a cache")
+            raise ConfigError(
+                f"num_kv_shared_layers={n_shared}: layer {i} ({layer_types[i]}) is KV-shared "
+                "but no earlier layer of that type owns a cache"
+            )
         kv_source[i] = owners[-1]
         if head_dims[i] != head_dims[owners[-1]] or kv_heads[i] != kv_heads[owners[-1]]:
             raise ConfigError(f"layer {i}: KV-shared layer's head shape differs from its producer {owners[-1]}")
@@ -417,8 +430,10 @@ class Chunk:
             "layers": list(self.layers),
             "states": {k: v.to_json() for k, v in self.states.items()},
             "functions": {
-                f: {"inputs": {k: v.to_json() for k, v in io["inputs"].items()},
-                    "outputs": {k: v.to_json() for k, v in io["outputs"].items()}}
+                f: {
+                    "inputs": {k: v.to_json() for k, v in io["inputs"].items()},
+                    "outputs": {k: v.to_json() for k, v in io["outputs"].items()},
+                }
                 for f, io in self.functions.items()
             },
         }
@@ -455,9 +470,15 @@ class ChunkPlan:
         return math.ceil(first / 2), first + math.ceil(spec.num_kv_shared_layers / 2)
 
     @classmethod
-    def build(cls, spec: ModelSpec, context: int = 2048, prefill_batch: int = 8,
-              split: tuple[int, int] | None = None, head: str = "logits",
-              kv_batches: tuple[int, ...] = ()) -> ChunkPlan:
+    def build(
+        cls,
+        spec: ModelSpec,
+        context: int = 2048,
+        prefill_batch: int = 8,
+        split: tuple[int, int] | None = None,
+        head: str = "logits",
+        kv_batches: tuple[int, ...] = (),
+    ) -> ChunkPlan:
         """head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
         kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`."""
         _check_options(spec, context, prefill_batch, head, kv_batches)
@@ -475,15 +496,24 @@ class ChunkPlan:
                 functions[f"prefill_b{prefill_batch}"] = _step_io(spec, context, ci, prefill_batch, head)
                 for T in sorted(set(kv_batches), reverse=True):
                     functions[f"prefill_kv_b{T}"] = _kv_only_io(spec, context, ci, T)
-            chunks.append(Chunk(
-                name=f"chunk_{ci + 1}", layers=layers, stateful=stateful, sliding_layers=sliding, full_layers=full,
-                states=_states(spec, context, sliding, full), functions=functions,
-                has_head=ci == 2, computes_ple=ci == 0,
-            ))
+            chunks.append(
+                Chunk(
+                    name=f"chunk_{ci + 1}",
+                    layers=layers,
+                    stateful=stateful,
+                    sliding_layers=sliding,
+                    full_layers=full,
+                    states=_states(spec, context, sliding, full),
+                    functions=functions,
+                    has_head=ci == 2,
+                    computes_ple=ci == 0,
+                )
+            )
         return cls(spec=spec, context=context, prefill_batch=prefill_batch, split=(a, b), chunks=tuple(chunks))
 
 
 # -- building a plan: one step of ChunkPlan.build each; ci is the chunk's index (0, 1, 2) ----------
+
 
 def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) -> None:
     W = spec.sliding_window
@@ -495,8 +525,10 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) ->
         raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
     for T in kv_batches:
         if isinstance(T, bool) or not isinstance(T, int) or T < 2 or W % T:
-            raise ConfigError(f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
-                              f"({W}), so aligned batches never wrap the ring")
+            raise ConfigError(
+                f"kv prefill batch {T!r}: must be an integer >= 2 that divides the window "
+                f"({W}), so aligned batches never wrap the ring"
+            )
     if head not in ("logits", "token_id"):
         raise ConfigError(f"head={head!r}: choose logits or token_id")
     if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
@@ -509,8 +541,10 @@ def _check_split(spec: ModelSpec, a: int, b: int) -> None:
     if not 0 < a < b <= L:
         raise ConfigError(f"split={a},{b}: need 0 < a < b <= num_hidden_layers={L}")
     if b < first:
-        raise ConfigError(f"split={a},{b}: layers {b}-{first - 1} own KV caches but would sit in the stateless "
-                          f"last chunk; need b >= {first}")
+        raise ConfigError(
+            f"split={a},{b}: layers {b}-{first - 1} own KV caches but would sit in the stateless "
+            f"last chunk; need b >= {first}"
+        )
     if a >= first:
         raise ConfigError(f"split={a},{b}: chunk_2 would own no KV cache; need a < {first}")
     # chunk_2 hands its producers' caches to the later layers; a producer in chunk_1 would
@@ -518,8 +552,9 @@ def _check_split(spec: ModelSpec, a: int, b: int) -> None:
     for i in range(first, L):
         src = spec.kv_source[i]
         if src < a:
-            raise ConfigError(f"split={a},{b}: KV-shared layer {i} reads layer {src}, which would sit in chunk_1; "
-                              f"need a <= {src}")
+            raise ConfigError(
+                f"split={a},{b}: KV-shared layer {i} reads layer {src}, which would sit in chunk_1; need a <= {src}"
+            )
 
 
 def _states(spec: ModelSpec, context: int, sliding: tuple[int, ...], full: tuple[int, ...]) -> dict:
@@ -541,8 +576,11 @@ def _step_io(spec: ModelSpec, context: int, ci: int, T: int, head: str) -> dict:
         outs.update(caches)
     if ci == 2:
         ins.update(caches)
-        outs = ({"logits": Tensor((1, 1, spec.vocab_size))} if head == "logits" else
-                {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))})
+        outs = (
+            {"logits": Tensor((1, 1, spec.vocab_size))}
+            if head == "logits"
+            else {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))}
+        )
     return {"T": T, "inputs": ins, "outputs": outs}
 
 
@@ -592,5 +630,6 @@ def parse_split(text: str | None) -> tuple[int, int] | None:
         a, b = (int(x) for x in text.split(","))
     except ValueError:
         raise ConfigError(
-            f"--split {text!r}: expected two layer indices 'a,b' (chunk_2 starts at a, chunk_3 at b)") from None
+            f"--split {text!r}: expected two layer indices 'a,b' (chunk_2 starts at a, chunk_3 at b)"
+        ) from None
     return a, b

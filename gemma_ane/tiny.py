@@ -23,33 +23,74 @@ PRESETS = {
     # with proportional 1/4 RoPE, KV sharing with a producer of each type, double-wide MLP in the
     # shared layers, PLE, softcap 30, and a window of 16 so tests cross the ring many times.
     "e2b-mini": dict(
-        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=16, intermediate_size=128,
-        num_hidden_layers=15, num_attention_heads=4, num_key_value_heads=1, head_dim=32, global_head_dim=64,
-        num_kv_shared_layers=5, use_double_wide_mlp=True, sliding_window=16, layer_types=[S, S, S, S, F] * 3,
+        vocab_size=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=16,
+        intermediate_size=128,
+        num_hidden_layers=15,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=5,
+        use_double_wide_mlp=True,
+        sliding_window=16,
+        layer_types=[S, S, S, S, F] * 3,
     ),
     # A different shape of the family: 5:1 pattern, grouped-query attention (2 KV heads), K=V full
     # layers with their own KV head count, a chunk_1 with no full layer, window 8.
     "gqa-mini": dict(
-        vocab_size=512, hidden_size=48, hidden_size_per_layer_input=8, intermediate_size=96,
-        num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_kv_shared_layers=4, use_double_wide_mlp=False, sliding_window=8, layer_types=[S, S, S, S, S, F] * 2,
-        attention_k_eq_v=True, num_global_key_value_heads=1,
+        vocab_size=512,
+        hidden_size=48,
+        hidden_size_per_layer_input=8,
+        intermediate_size=96,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_kv_shared_layers=4,
+        use_double_wide_mlp=False,
+        sliding_window=8,
+        layer_types=[S, S, S, S, S, F] * 2,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
     ),
     # E2B's real widths (hidden 1536, 8 query heads, head dims 256/512, MLP 6144 / 12288, PLE 256,
     # window 512) with only 6 layers and a small vocabulary: catches shape assumptions that only
     # show at full width, at a size a test can convert.
     "e2b-wide": dict(
-        vocab_size=1024, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=6144,
-        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
-        num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=512, layer_types=[S, S, S, F, S, F],
+        vocab_size=1024,
+        hidden_size=1536,
+        hidden_size_per_layer_input=256,
+        intermediate_size=6144,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        sliding_window=512,
+        layer_types=[S, S, S, F, S, F],
     ),
     # E2B's real geometry at a narrow width: all 35 layers (full at 4, 9, ..., 34), the last 20
     # KV-shared and double-wide, window 512. Converted at context 2048 it runs the ring and the
     # masks where a real model does: prefill past the window, wrap, decode past 1024.
     "e2b-narrow": dict(
-        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=8, intermediate_size=64,
-        num_hidden_layers=35, num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
-        num_kv_shared_layers=20, use_double_wide_mlp=True, sliding_window=512, layer_types=[S, S, S, S, F] * 7,
+        vocab_size=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=8,
+        intermediate_size=64,
+        num_hidden_layers=35,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+        sliding_window=512,
+        layer_types=[S, S, S, S, F] * 7,
     ),
 }
 
@@ -59,15 +100,23 @@ PRESETS = {
 # embedding keeps the token's own signal in the residual and spreads the logits (e2b-narrow's fp16
 # bundle vs transformers over 1100 positions: min cosine 0.96 -> 0.9995, top-1 0.985 -> 1.0).
 CONDITIONING = {"e2b-narrow": dict(post_norm=0.5, embed=2.0)}
-POST_NORMS = tuple(f"{n}.weight" for n in ("post_attention_layernorm", "post_feedforward_layernorm",
-                                             "post_per_layer_input_norm"))
+POST_NORMS = tuple(
+    f"{n}.weight" for n in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
+)
 
 
 def text_config(preset: str) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    cfg = dict(model_type="gemma4_text", final_logit_softcapping=30.0, rms_norm_eps=1e-6,
-               pad_token_id=0, bos_token_id=2, eos_token_id=1, max_position_embeddings=4096)
+    cfg = dict(
+        model_type="gemma4_text",
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        max_position_embeddings=4096,
+    )
     cfg.update(PRESETS[preset])
     cfg["vocab_size_per_layer_input"] = cfg["vocab_size"]
     return cfg
@@ -77,7 +126,10 @@ def _randomize(model, seed: int, post_norm: float = 1.0, embed: float = 1.0) -> 
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    uniform = lambda shape, lo, hi: torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    def uniform(shape, lo, hi):
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
     lm = model.model.language_model
     for name, p in lm.named_parameters():
         shape = p.shape
@@ -113,12 +165,32 @@ def build_model(preset: str, seed: int = 0):
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     torch.manual_seed(seed)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=8, global_head_dim=8, position_embedding_size=64, patch_size=4)
-    audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
-                 output_proj_dims=16, conv_kernel_size=3)
-    config = Gemma4Config(text_config=text_config(preset), vision_config=vision, audio_config=audio,
-                          eos_token_id=[1, 106], tie_word_embeddings=True)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=8,
+        position_embedding_size=64,
+        patch_size=4,
+    )
+    audio = dict(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        subsampling_conv_channels=[8, 4],
+        output_proj_dims=16,
+        conv_kernel_size=3,
+    )
+    config = Gemma4Config(
+        text_config=text_config(preset),
+        vision_config=vision,
+        audio_config=audio,
+        eos_token_id=[1, 106],
+        tie_word_embeddings=True,
+    )
     model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
         _randomize(model, seed, **CONDITIONING.get(preset, {}))
@@ -148,8 +220,15 @@ def _write_shards(state: dict, out: Path, shards: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
-                     "do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95}
+GENERATION_CONFIG = {
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+    "do_sample": True,
+    "temperature": 1.0,
+    "top_k": 64,
+    "top_p": 0.95,
+}
 
 
 @contextmanager
@@ -162,8 +241,14 @@ def checkpoint_dir(out: Path, vocab_size: int):
         write_tokenizer_files(tmp, vocab_size)
 
 
-def write_tiny(out: str | os.PathLike, preset: str = "e2b-mini", seed: int = 0, dtype: str = "fp32",
-               shards: int = 1, force: bool = False) -> Path:
+def write_tiny(
+    out: str | os.PathLike,
+    preset: str = "e2b-mini",
+    seed: int = 0,
+    dtype: str = "fp32",
+    shards: int = 1,
+    force: bool = False,
+) -> Path:
     """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path."""
     import torch
 

@@ -10,9 +10,16 @@ PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 THINK, CHANNEL_OPEN, CHANNEL_CLOSE, TURN_OPEN, TURN_CLOSE = 98, 100, 101, 105, 106
 
 SPECIAL_TOKENS: dict[int, str] = {
-    PAD: "<pad>", EOS: "<eos>", BOS: "<bos>", UNK: "<unk>", MASK: "<mask>",
-    THINK: "<|think|>", CHANNEL_OPEN: "<|channel>", CHANNEL_CLOSE: "<channel|>",
-    TURN_OPEN: "<|turn>", TURN_CLOSE: "<turn|>",
+    PAD: "<pad>",
+    EOS: "<eos>",
+    BOS: "<bos>",
+    UNK: "<unk>",
+    MASK: "<mask>",
+    THINK: "<|think|>",
+    CHANNEL_OPEN: "<|channel>",
+    CHANNEL_CLOSE: "<channel|>",
+    TURN_OPEN: "<|turn>",
+    TURN_CLOSE: "<turn|>",
 }
 
 STOP_IDS = (EOS, TURN_CLOSE)  # generation always ends on these, whatever the generation config says

@@ -43,8 +43,12 @@ def int8_tables(ckpt: Checkpoint) -> dict:
 
 def host_from_checkpoint(ckpt: Checkpoint, rows: int) -> HostTables:
     spec = ckpt.spec
-    return HostTables(**int8_tables(ckpt), embed_scale=spec.embed_scale,
-                      per_layer_embed_scale=spec.per_layer_embed_scale, rope=rope_tables(spec, rows))
+    return HostTables(
+        **int8_tables(ckpt),
+        embed_scale=spec.embed_scale,
+        per_layer_embed_scale=spec.per_layer_embed_scale,
+        rope=rope_tables(spec, rows),
+    )
 
 
 def oracle_model(ckpt: Checkpoint, tables: dict | None = None):
@@ -58,22 +62,27 @@ def oracle_model(ckpt: Checkpoint, tables: dict | None = None):
     src = ckpt.spec.source
     text = dict(src.get("text_config", src))
     text.pop("model_type", None)
-    config = Gemma4TextConfig(**{k: v for k, v in text.items() if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")})
+    config = Gemma4TextConfig(
+        **{k: v for k, v in text.items() if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")}
+    )
     config._attn_implementation = "eager"
     model = Gemma4ForCausalLM(config)
     state = {}
     for name in model.state_dict():
         if name == "lm_head.weight" or not name.startswith("model."):
             continue
-        rel = name[len("model."):]
+        rel = name[len("model.") :]
         if rel in ckpt:
             state[name] = torch.from_numpy(np.array(ckpt[rel]))
     head = state["model.embed_tokens.weight"].clone()
     if tables is not None:
-        state["model.embed_tokens.weight"] = torch.from_numpy(dequantize_rows(tables["embed_q"], tables["embed_scales"], 1.0))
+        state["model.embed_tokens.weight"] = torch.from_numpy(
+            dequantize_rows(tables["embed_q"], tables["embed_scales"], 1.0)
+        )
         state["model.embed_tokens_per_layer.weight"] = torch.from_numpy(
-            dequantize_rows(tables["ple_q"], tables["ple_scales"], 1.0))
-    missing = set(model.model.state_dict()) - {k[len("model."):] for k in state}
+            dequantize_rows(tables["ple_q"], tables["ple_scales"], 1.0)
+        )
+    missing = set(model.model.state_dict()) - {k[len("model.") :] for k in state}
     # What the checkpoint does not hold must be a non-persistent buffer transformers computes itself.
     assert all("inv_freq" in k or k.endswith("embed_scale") for k in missing), sorted(missing)
     model.load_state_dict(state, strict=False)
@@ -109,8 +118,15 @@ def context_for(spec: ModelSpec, tokens: int) -> int:
     return max(32 * math.ceil(tokens / 32), 32 * math.ceil(spec.sliding_window / 32))
 
 
-def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, prompt_len: int | None = None,
-                 context: int | None = None, prefill_batch: int = 8) -> dict:
+def verify_graph(
+    src,
+    tokens: int = 64,
+    precision: str = "fp32",
+    seed: int = 0,
+    prompt_len: int | None = None,
+    context: int | None = None,
+    prefill_batch: int = 8,
+) -> dict:
     import torch
 
     from .graph import TorchChunk, build_chunks
@@ -132,15 +148,24 @@ def verify_graph(src, tokens: int = 64, precision: str = "fp32", seed: int = 0, 
     tables = {k: getattr(host, k) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     ref = oracle_logits(oracle_model(ckpt, tables), ids)
     orig = oracle_logits(oracle_model(ckpt), ids)
-    report = {"mode": "graph", "precision": precision, "positions": tokens, "prompt_tokens": prompt_len,
-              "context": plan.context, "window": plan.window, "seed": seed, **compare(ours, ref)}
+    report = {
+        "mode": "graph",
+        "precision": precision,
+        "positions": tokens,
+        "prompt_tokens": prompt_len,
+        "context": plan.context,
+        "window": plan.window,
+        "seed": seed,
+        **compare(ours, ref),
+    }
     report["int8_tables_vs_original"] = compare(ref, orig)
     report["passed"] = passed(report)
     return report
 
 
-def verify_bundle(src, bundle, tokens: int = 64, precision: str = "fp16", seed: int = 0,
-                  prompt_len: int | None = None) -> dict:
+def verify_bundle(
+    src, bundle, tokens: int = 64, precision: str = "fp16", seed: int = 0, prompt_len: int | None = None
+) -> dict:
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
     sidecars, against transformers fed the same dequantised tables."""
     from .bundle import open_engine
@@ -158,8 +183,16 @@ def verify_bundle(src, bundle, tokens: int = 64, precision: str = "fp16", seed: 
     host = engine.host
     tables = {k: np.asarray(getattr(host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     ref = oracle_logits(oracle_model(ckpt, tables), ids)
-    report = {"mode": "bundle", "precision": precision, "positions": tokens, "prompt_tokens": prompt_len,
-              "context": engine.context, "window": engine.window, "seed": seed, **compare(ours, ref)}
+    report = {
+        "mode": "bundle",
+        "precision": precision,
+        "positions": tokens,
+        "prompt_tokens": prompt_len,
+        "context": engine.context,
+        "window": engine.window,
+        "seed": seed,
+        **compare(ours, ref),
+    }
     report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), ids))
     report["passed"] = passed(report)
     return report

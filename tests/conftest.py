@@ -51,12 +51,14 @@ def copy_ckpt(tmp_path):
         dst = tmp_path / "copy"
         shutil.copytree(src, dst)
         return dst
+
     return make
 
 
 # Converting takes ~30 s even for a tiny model: one 16-bit and one 4-bit bundle (context 128, the
 # converter's defaults otherwise) serve every test file that only reads them; tests that damage a
 # bundle work on a copy.
+
 
 @pytest.fixture(scope="session")
 def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:

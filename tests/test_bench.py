@@ -8,8 +8,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def run(script, *args):
-    r = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--no-record", *args],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--no-record", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -45,8 +49,9 @@ pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pip
 
 
 def script(name, *args, check=True):
-    r = subprocess.run([sys.executable, str(BENCH / name), *map(str, args)], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(BENCH / name), *map(str, args)], capture_output=True, text=True, timeout=900
+    )
     if check:
         assert r.returncode == 0, r.stderr[-2000:]
     return r
@@ -74,8 +79,9 @@ def test_full_checkpoint_layout_is_what_transformers_loads(quick_ckpt):
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((quick_ckpt / s).is_file() for s in shards)
     assert all(k.startswith("model.language_model.") for k in index["weight_map"])
-    model, info = Gemma4ForConditionalGeneration.from_pretrained(quick_ckpt, dtype=torch.bfloat16,
-                                                                 output_loading_info=True)
+    model, info = Gemma4ForConditionalGeneration.from_pretrained(
+        quick_ckpt, dtype=torch.bfloat16, output_loading_info=True
+    )
     assert not [k for k in info["missing_keys"] if "language_model" in k], info["missing_keys"]
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     lm = model.model.language_model
@@ -109,8 +115,11 @@ def test_convert_full_quick(quick_bundle):
 
 def test_cost_model_quick(quick_bundle):
     out, _ = quick_bundle
-    report = json.loads(subprocess.run([sys.executable, "-m", "gemma_ane.cli", "inspect", str(out), "--json"],
-                                       capture_output=True, text=True).stdout)
+    report = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "gemma_ane.cli", "inspect", str(out), "--json"], capture_output=True, text=True
+        ).stdout
+    )
     model = json.loads(script("cost_model.py", out, "--json").stdout)
     infer = [c["functions"]["infer"] for c in report["chunks"]]
     assert model["decode"]["weight_bytes"] == sum(f["weight_bytes"] for f in infer)

@@ -46,30 +46,56 @@ def parts(*texts):
 # name -> (messages, a piece of the real template's output that shows the case does what it is named for)
 CASES = {
     "user": ([user("Hi")], "<|turn>user\nHi<turn|>\n"),
-    "system": ([system("You are a helpful assistant."), user("What is the capital of France?")],
-               "<|turn>system\n"),
-    "multi-turn": ([user("Hi"), assistant("Hello! How can I help?"), user("Tell me a story."),
-                    assistant("Once upon a time..."), user("Thank you.")],
-                   "<|turn>model\nOnce upon a time...<turn|>\n<|turn>user\nThank you.<turn|>\n"),
-    "system-multi-turn": ([system("Be brief."), user("Why?"), assistant("Because."), user("ok")],
-                          "Be brief.<turn|>\n<|turn>user\nWhy?<turn|>\n<|turn>model\nBecause.<turn|>\n"),
+    "system": ([system("You are a helpful assistant."), user("What is the capital of France?")], "<|turn>system\n"),
+    "multi-turn": (
+        [
+            user("Hi"),
+            assistant("Hello! How can I help?"),
+            user("Tell me a story."),
+            assistant("Once upon a time..."),
+            user("Thank you."),
+        ],
+        "<|turn>model\nOnce upon a time...<turn|>\n<|turn>user\nThank you.<turn|>\n",
+    ),
+    "system-multi-turn": (
+        [system("Be brief."), user("Why?"), assistant("Because."), user("ok")],
+        "Be brief.<turn|>\n<|turn>user\nWhy?<turn|>\n<|turn>model\nBecause.<turn|>\n",
+    ),
     "ends-with-assistant": ([user("Count on: 1, 2,"), assistant(" 3, ")], "<|turn>model\n3,<turn|>\n"),
     # reasoning is replayed only after the last user turn: "4" follows its opener directly
-    "reasoning": ([user("2+2?"), assistant("4", reasoning_content="Add them."), user("And 3+3?"),
-                   assistant("6", reasoning_content="Add again.")],
-                  ("<|turn>model\n4<turn|>\n<|turn>user\nAnd 3+3?<turn|>\n"
-                   "<|turn>model\n<|channel>thought\nAdd again.\n<channel|>6<turn|>\n")),
-    "reasoning-field": ([user("2+2?"), assistant("4", reasoning="Add them.")],
-                        "<|channel>thought\nAdd them.\n<channel|>4<turn|>\n"),
-    "thought-in-content": ([user("Hi"), assistant("<|channel>thought\nGreet back.<channel|>Hello!"), user("Bye")],
-                           "<|turn>model\nHello!<turn|>\n"),
-    "text-parts": ([system(parts("Be ", "brief.")), user(parts("Hello ", " world"))],
-                   "Be brief. <turn|>\n<|turn>user\nHelloworld<turn|>\n"),
-    "consecutive-assistants": ([user("Hi"), assistant("Part one."), assistant("Part two.")],
-                               "<|turn>model\nPart one.Part two.<turn|>\n"),
+    "reasoning": (
+        [
+            user("2+2?"),
+            assistant("4", reasoning_content="Add them."),
+            user("And 3+3?"),
+            assistant("6", reasoning_content="Add again."),
+        ],
+        (
+            "<|turn>model\n4<turn|>\n<|turn>user\nAnd 3+3?<turn|>\n"
+            "<|turn>model\n<|channel>thought\nAdd again.\n<channel|>6<turn|>\n"
+        ),
+    ),
+    "reasoning-field": (
+        [user("2+2?"), assistant("4", reasoning="Add them.")],
+        "<|channel>thought\nAdd them.\n<channel|>4<turn|>\n",
+    ),
+    "thought-in-content": (
+        [user("Hi"), assistant("<|channel>thought\nGreet back.<channel|>Hello!"), user("Bye")],
+        "<|turn>model\nHello!<turn|>\n",
+    ),
+    "text-parts": (
+        [system(parts("Be ", "brief.")), user(parts("Hello ", " world"))],
+        "Be brief. <turn|>\n<|turn>user\nHelloworld<turn|>\n",
+    ),
+    "consecutive-assistants": (
+        [user("Hi"), assistant("Part one."), assistant("Part two.")],
+        "<|turn>model\nPart one.Part two.<turn|>\n",
+    ),
     "model-role": ([user("Hi"), {"role": "model", "content": "Hello"}, user("Bye")], "<|turn>model\nHello<turn|>\n"),
-    "later-system": ([user("Hi"), system("Now be formal."), user("Hello")],
-                     "<|turn>user\nHi<turn|>\n<|turn>system\nNow be formal.<turn|>\n"),
+    "later-system": (
+        [user("Hi"), system("Now be formal."), user("Hello")],
+        "<|turn>user\nHi<turn|>\n<|turn>system\nNow be formal.<turn|>\n",
+    ),
     "whitespace": ([system("\n  Be brief.  \n"), user("  Hi\n\n")], "Be brief.<turn|>\n<|turn>user\nHi<turn|>\n"),
     "empty-content": ([user("Hi"), assistant(None), user("Hi?")], "<|turn>model\n<turn|>\n"),
 }
@@ -78,8 +104,9 @@ RENDERINGS = [(name, gen, think) for name in CASES for gen in (True, False) for 
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(MIN_VOCAB_SIZE), bos_token="<bos>",
-                                   eos_token="<eos>", chat_template=SOURCE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(MIN_VOCAB_SIZE), bos_token="<bos>", eos_token="<eos>", chat_template=SOURCE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +114,16 @@ def template():
     return ChatTemplate(SOURCE)  # compiling 18 kB of Jinja takes a noticeable part of a second
 
 
-@pytest.fixture(params=RENDERINGS, ids=[f"{n}-{'gen' if g else 'nogen'}-{'think' if t else 'nothink'}"
-                                        for n, g, t in RENDERINGS])
+@pytest.fixture(
+    params=RENDERINGS, ids=[f"{n}-{'gen' if g else 'nogen'}-{'think' if t else 'nothink'}" for n, g, t in RENDERINGS]
+)
 def case(request, hf_tok):
     """(messages, add_generation_prompt, enable_thinking, what transformers renders)."""
     name, gen, think = request.param
     messages, shows = CASES[name]
-    expected = hf_tok.apply_chat_template(copy.deepcopy(messages), tokenize=False, add_generation_prompt=gen,
-                                          enable_thinking=think)
+    expected = hf_tok.apply_chat_template(
+        copy.deepcopy(messages), tokenize=False, add_generation_prompt=gen, enable_thinking=think
+    )
     assert shows in expected, "precondition: the real template renders what the case is named for"
     assert ("<|turn>system\n<|think|>\n" in expected) == think
     assert expected.endswith("<|turn>model\n") == gen
@@ -134,12 +163,15 @@ def test_template_exception_is_a_chat_error_with_its_message(template, hf_tok):
         template.render(messages)
 
 
-@pytest.mark.parametrize("messages, error", [
-    ([user("Hi"), {"role": "tool", "content": "42"}], "unknown role 'tool'"),
-    ([{"content": "Hi"}], "unknown role None"),
-    ([user([{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is this?"}])], "text-only"),
-    ([user(42)], "string or a list of text parts"),
-])
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([user("Hi"), {"role": "tool", "content": "42"}], "unknown role 'tool'"),
+        ([{"content": "Hi"}], "unknown role None"),
+        ([user([{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is this?"}])], "text-only"),
+        ([user(42)], "string or a list of text parts"),
+    ],
+)
 def test_builtin_formatter_refuses_what_it_cannot_render(messages, error):
     with pytest.raises(ChatError, match=error):
         gemma4_prompt(messages)

@@ -60,11 +60,16 @@ def overwrite_regions(path: Path, select) -> int:
 
 def chunk_params(ckpt: Checkpoint) -> dict:
     plan = ChunkPlan.build(ckpt.spec, context=64)
-    return {f"{m.chunk.name}.{k}": v.clone() for m in build_chunks(plan, ckpt)
-            for k, v in m.state_dict().items() if k not in m.chunk.states}
+    return {
+        f"{m.chunk.name}.{k}": v.clone()
+        for m in build_chunks(plan, ckpt)
+        for k, v in m.state_dict().items()
+        if k not in m.chunk.states
+    }
 
 
 # -- values --------------------------------------------------------------------------------------
+
 
 def test_single_file_fp32_values_are_exact(tiny_e2b):
     ckpt = Checkpoint(tiny_e2b)
@@ -74,7 +79,7 @@ def test_single_file_fp32_values_are_exact(tiny_e2b):
     text = [k for k in ref if k.startswith(LM)]
     assert len(text) > 200
     for k in text:
-        ours = ckpt[k[len(LM):]]
+        ours = ckpt[k[len(LM) :]]
         assert ours.dtype == np.float32 and ours.shape == tuple(ref[k].shape), k
         np.testing.assert_array_equal(ours, ref[k].numpy(), err_msg=k)
 
@@ -91,8 +96,8 @@ def test_three_bf16_shards_widen_exactly(tiny_bf16_sharded, tiny_e2b):
     # The text model must really be spread over the shards, or this is a single-file test again.
     assert {ckpt.entries[k][0].name for k in text} == {f.name for f in files}
     for k in text:
-        assert ckpt.dtype_of(k[len(LM):]) == "BF16"
-        ours = ckpt[k[len(LM):]]
+        assert ckpt.dtype_of(k[len(LM) :]) == "BF16"
+        ours = ckpt[k[len(LM) :]]
         assert ours.dtype == np.float32, k
         np.testing.assert_array_equal(ours, ref[k].float().numpy(), err_msg=k)
     # Same seed as the fp32 fixture: the bf16 values are its rounding, not a copy of it.
@@ -103,6 +108,7 @@ def test_three_bf16_shards_widen_exactly(tiny_bf16_sharded, tiny_e2b):
 
 
 # -- text only -----------------------------------------------------------------------------------
+
 
 class RecordingDict(dict):
     """Records every name looked up, however the loader looks it up."""
@@ -132,8 +138,9 @@ def test_building_every_chunk_touches_text_tensors_only(fixture, request, monkey
     tower_bytes = {}  # shard -> [(begin, end)) absolute byte ranges of tower tensors
     for f in shards(root):
         start, h = header(f)
-        tower_bytes[f] = [(start + e["data_offsets"][0], start + e["data_offsets"][1])
-                          for k, e in h.items() if k.startswith(TOWERS)]
+        tower_bytes[f] = [
+            (start + e["data_offsets"][0], start + e["data_offsets"][1]) for k, e in h.items() if k.startswith(TOWERS)
+        ]
     assert sum(map(len, tower_bytes.values())) > 50  # the fixture does carry towers to avoid
 
     reads = []  # (shard, first byte, end byte) of every read
@@ -152,7 +159,7 @@ def test_building_every_chunk_touches_text_tensors_only(fixture, request, monkey
     touched = sorted(k for k in ckpt.entries.seen if k.startswith(TOWERS))
     assert not touched, touched
     # Everything but the PLE table, which the host looks up outside the chunks.
-    assert set(ckpt.expected()) - {"embed_tokens_per_layer.weight"} <= {k[len(LM):] for k in ckpt.entries.seen}
+    assert set(ckpt.expected()) - {"embed_tokens_per_layer.weight"} <= {k[len(LM) :] for k in ckpt.entries.seen}
     assert len(reads) >= len(ckpt.expected()) - 1
     for path, lo, hi in reads:
         hits = [r for r in tower_bytes[path] if lo < r[1] and r[0] < hi]
@@ -184,7 +191,7 @@ def make_text_only(src: Path, dst: Path, shard_count: int = 1) -> Path:
     tensors = {}
     for f in shards(src):
         tensors.update(load_file(f))
-    text = {"model." + k[len(LM):]: v for k, v in tensors.items() if k.startswith(LM)}
+    text = {"model." + k[len(LM) :]: v for k, v in tensors.items() if k.startswith(LM)}
     assert not any(k.startswith(LM) or k.startswith(TOWERS) for k in text)
     dst.mkdir()
     if shard_count == 1:
@@ -335,6 +342,7 @@ def _truncate(keep):
         with open(shard, "r+b") as f:
             f.truncate(keep(size))
         return root, [shard.name, "truncated"]
+
     return go
 
 
@@ -399,6 +407,7 @@ def test_truncated_single_file_is_reported_even_if_only_towers_are_cut(tiny_e2b,
 
 
 # -- laziness ------------------------------------------------------------------------------------
+
 
 def test_constructor_and_validate_read_headers_only(tiny_bf16_sharded, copy_ckpt, monkeypatch):
     root = copy_ckpt(tiny_bf16_sharded)

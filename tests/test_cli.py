@@ -25,8 +25,13 @@ def run(capsys, *argv):
 def run_process(*argv, script=False):
     # A real process: a traceback or a stray print would show up here and nowhere else.
     cmd = [str(Path(sys.executable).parent / "gemma-ane")] if script else [sys.executable, "-m", "gemma_ane.cli"]
-    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return subprocess.run(
+        cmd + [str(a) for a in argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
 
 
 def assert_one_line_error(err, command, *needles):
@@ -42,6 +47,7 @@ def shapes(io):
 
 
 # -- plan ----------------------------------------------------------------------------------------
+
 
 def test_plan_json_is_the_published_e2b_contract(capsys):
     rc, out, err = run(capsys, "plan", E2B, "--json")
@@ -62,18 +68,31 @@ def test_plan_json_is_the_published_e2b_contract(capsys):
     for fname, T in (("infer", 1), ("prefill_b8", 8)):
         ins = shapes(c1["functions"][fname]["inputs"])
         assert ins == {
-            "hidden_states": (1, T, 1536), "causal_mask_full": (1, 1, T, 2048), "causal_mask_sliding": (1, 1, T, 512),
-            "per_layer_raw": (1, T, 8960), "cos_s": (1, 1, T, 256), "sin_s": (1, 1, T, 256),
-            "cos_f": (1, 1, T, 512), "sin_f": (1, 1, T, 512), "current_pos": (1,), "ring_pos": (1,),
+            "hidden_states": (1, T, 1536),
+            "causal_mask_full": (1, 1, T, 2048),
+            "causal_mask_sliding": (1, 1, T, 512),
+            "per_layer_raw": (1, T, 8960),
+            "cos_s": (1, 1, T, 256),
+            "sin_s": (1, 1, T, 256),
+            "cos_f": (1, 1, T, 512),
+            "sin_f": (1, 1, T, 512),
+            "current_pos": (1,),
+            "ring_pos": (1,),
         }
         assert c1["functions"][fname]["inputs"]["current_pos"]["dtype"] == "int32"
         assert shapes(c1["functions"][fname]["outputs"]) == {
-            "hidden_states_out": (1, T, 1536), "per_layer_combined_out": (1, T, 8960)}
+            "hidden_states_out": (1, T, 1536),
+            "per_layer_combined_out": (1, T, 8960),
+        }
         c2_ins = shapes(c2["functions"][fname]["inputs"])
         assert "per_layer_combined" in c2_ins and "per_layer_raw" not in c2_ins
         assert shapes(c2["functions"][fname]["outputs"]) == {
-            "hidden_states_out": (1, T, 1536), "kv13_k": (1, 1, 512, 256), "kv13_v": (1, 1, 512, 256),
-            "kv14_k": (1, 1, 2048, 512), "kv14_v": (1, 1, 2048, 512)}
+            "hidden_states_out": (1, T, 1536),
+            "kv13_k": (1, 1, 512, 256),
+            "kv13_v": (1, 1, 512, 256),
+            "kv14_k": (1, 1, 2048, 512),
+            "kv14_v": (1, 1, 2048, 512),
+        }
     c3_infer = c3["functions"]["infer"]
     assert shapes(c3_infer["outputs"]) == {"logits": (1, 1, 262144)}
     c3_ins = shapes(c3_infer["inputs"])
@@ -86,16 +105,30 @@ def test_plan_table_is_readable(capsys):
     assert rc == 0 and err == ""
     with pytest.raises(json.JSONDecodeError):
         json.loads(out)
-    for text in ("chunk_1: layers 0-7", "chunk_2: layers 8-24", "chunk_3: layers 25-34",
-                 "kv_cache_sliding", "[14, 1, 512, 512]", "[10, 1, 512, 512]",
-                 "kv_cache_full", "[2, 1, 2048, 512]", "[4, 1, 2048, 512]",
-                 "prefill_b8", "kv13_k", "[1, 1, 512, 256]", "logits", "[1, 1, 262144]"):
+    for text in (
+        "chunk_1: layers 0-7",
+        "chunk_2: layers 8-24",
+        "chunk_3: layers 25-34",
+        "kv_cache_sliding",
+        "[14, 1, 512, 512]",
+        "[10, 1, 512, 512]",
+        "kv_cache_full",
+        "[2, 1, 2048, 512]",
+        "[4, 1, 2048, 512]",
+        "prefill_b8",
+        "kv13_k",
+        "[1, 1, 512, 256]",
+        "logits",
+        "[1, 1, 262144]",
+    ):
         assert text in out, text
     # Each state line carries its name and its shape together.
     state_lines = [line.split() for line in out.splitlines() if line.strip().startswith("state")]
     assert [(s[1], " ".join(s[2:-1])) for s in state_lines] == [
-        ("kv_cache_sliding", "[14, 1, 512, 512]"), ("kv_cache_full", "[2, 1, 2048, 512]"),
-        ("kv_cache_sliding", "[10, 1, 512, 512]"), ("kv_cache_full", "[4, 1, 2048, 512]"),
+        ("kv_cache_sliding", "[14, 1, 512, 512]"),
+        ("kv_cache_full", "[2, 1, 2048, 512]"),
+        ("kv_cache_sliding", "[10, 1, 512, 512]"),
+        ("kv_cache_full", "[4, 1, 2048, 512]"),
     ]
 
 
@@ -124,6 +157,7 @@ def test_console_script_prints_the_same_plan(capsys):
 
 # -- tiny ----------------------------------------------------------------------------------------
 
+
 def test_tiny_writes_refuses_to_overwrite_and_forces(capsys, tmp_path, tiny_e2b):
     out_dir = tmp_path / "made"
     rc, out, err = run(capsys, "tiny", out_dir, "--preset", "e2b-mini")
@@ -148,10 +182,13 @@ def test_tiny_writes_refuses_to_overwrite_and_forces(capsys, tmp_path, tiny_e2b)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["made"]
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--preset", "nope"], ["'nope'", "e2b-mini", "gqa-mini"]),
-    (["--shards", "0"], ["--shards 0"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--preset", "nope"], ["'nope'", "e2b-mini", "gqa-mini"]),
+        (["--shards", "0"], ["--shards 0"]),
+    ],
+)
 def test_tiny_bad_options(capsys, tmp_path, args, needles):
     rc, out, err = run(capsys, "tiny", tmp_path / "out", *args)
     assert rc == 2 and out == ""
@@ -160,6 +197,7 @@ def test_tiny_bad_options(capsys, tmp_path, args, needles):
 
 
 # -- verify --------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_verify_json(capsys, tiny_e2b):
@@ -192,6 +230,7 @@ def test_verify_reports_a_missing_tensor(capsys, tiny_e2b, copy_ckpt):
 
 
 # -- plan errors ---------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def moe_config(tmp_path, e2b_config):

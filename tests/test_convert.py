@@ -34,6 +34,7 @@ WEIGHTS = Path("Data/com.apple.CoreML/weights/weight.bin")
 
 # -- fixtures ------------------------------------------------------------------------------------
 
+
 def _partials(parent: Path, name: str) -> list[Path]:
     return sorted(parent.glob(f".{name}.partial-*"))
 
@@ -82,8 +83,11 @@ def ckpt_np(tiny_e2b) -> dict:
     """The checkpoint's text tensors as float32, read with safetensors (not our loader)."""
     from safetensors.numpy import load_file
 
-    return {k[len(LM):]: v.astype(np.float32) for k, v in load_file(tiny_e2b / "model.safetensors").items()
-            if k.startswith(LM)}
+    return {
+        k[len(LM) :]: v.astype(np.float32)
+        for k, v in load_file(tiny_e2b / "model.safetensors").items()
+        if k.startswith(LM)
+    }
 
 
 _programs: dict = {}
@@ -107,6 +111,7 @@ def load_spec(package: Path):
 
 
 # -- reading the proto ---------------------------------------------------------------------------
+
 
 def _dtype_name(enum_value) -> str:
     from coremltools.proto import FeatureTypes_pb2
@@ -174,9 +179,12 @@ def tree_size(path: Path) -> int:
 
 # -- the I/O contract, read back with coremltools ------------------------------------------------
 
+
 def test_io_contract_read_back_from_the_packages(bundle, plan):
     expected = plan.to_json()
-    assert sorted(p.name for p in bundle["path"].glob("chunk_*")) == [f"{c['name']}.mlpackage" for c in expected["chunks"]]
+    assert sorted(p.name for p in bundle["path"].glob("chunk_*")) == [
+        f"{c['name']}.mlpackage" for c in expected["chunks"]
+    ]
     for c in expected["chunks"]:
         spec = load_spec(bundle["path"] / f"{c['name']}.mlpackage")
         assert spec.WhichOneof("Type") == "mlProgram"
@@ -209,6 +217,7 @@ def test_stage_timings_are_reported(bundle):
 
 
 # -- weights: 4-bit LUTs and 16-bit dense ---------------------------------------------------------
+
 
 def _linear_weights(spec, function):
     """[(weight var name, producing proto op)] for every linear op of a function."""
@@ -258,7 +267,11 @@ def test_4bit_linear_weights_are_lut_palettized(bundle4, plan, ckpt_np):
             assert seen == constexpr_total > 0, (chunk.name, fname)
             palettized += seen
     # the tied LM head is palettized too (CONTRACT §5: all weights incl. the LM head)
-    lm = [n for n, op in _linear_weights(load_spec(bundle4["path"] / "chunk_3.mlpackage"), "infer") if n.startswith("lm_head")]
+    lm = [
+        n
+        for n, op in _linear_weights(load_spec(bundle4["path"] / "chunk_3.mlpackage"), "infer")
+        if n.startswith("lm_head")
+    ]
     assert lm and lm[0].endswith("_palettized"), lm
     assert palettized > 50
 
@@ -293,6 +306,7 @@ def test_16bit_weights_are_dense_and_exact(bundle16, plan, ckpt_np):
 
 # -- weight sharing between the functions of a chunk ---------------------------------------------
 
+
 def test_functions_reference_the_same_weight_blobs(bundle, plan):
     """The merged functions must point at the same bytes of weight.bin for every weight (and,
     at 4 bits, every LUT and index array): that is what bit-identical LUTs buy."""
@@ -323,16 +337,19 @@ def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_
     ckpt = Checkpoint(tiny_e2b)
     try:
         model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)  # as convert() does
-        mlmodel = convert_mod.convert_function(model, chunk, "infer", ConvertOptions(context=CONTEXT, bits=4), {},
-                                               convert_mod.StageTimer())
+        mlmodel = convert_mod.convert_function(
+            model, chunk, "infer", ConvertOptions(context=CONTEXT, bits=4), {}, convert_mod.StageTimer()
+        )
     finally:
         ckpt.close()
     alone = tmp_path / "alone.mlpackage"
     mlmodel.save(str(alone))
     merged = bundle4["path"] / f"{chunk.name}.mlpackage"
     alone_w, merged_w = (alone / WEIGHTS).stat().st_size, (merged / WEIGHTS).stat().st_size
-    print(f"\n{chunk.name} 4-bit weight.bin: merged {merged_w} B, infer alone {alone_w} B "
-          f"({merged_w / alone_w:.3f}x); whole package: merged {tree_size(merged)} B, alone {tree_size(alone)} B")
+    print(
+        f"\n{chunk.name} 4-bit weight.bin: merged {merged_w} B, infer alone {alone_w} B "
+        f"({merged_w / alone_w:.3f}x); whole package: merged {tree_size(merged)} B, alone {tree_size(alone)} B"
+    )
     assert merged_w <= 1.05 * alone_w, (merged_w, alone_w)
 
 
@@ -363,6 +380,7 @@ print("OK")
 
 # -- sidecars --------------------------------------------------------------------------------------
 
+
 def spec_int8(w: np.ndarray):
     """CONTRACT §2, written out independently: scale = fp16(max|row|), q = clamp(round(w*127/scale))."""
     w = w.astype(np.float64)
@@ -373,7 +391,9 @@ def spec_int8(w: np.ndarray):
 
 
 def test_sidecar_sizes_follow_spec(bundle, text_cfg):
-    V, H, L, P = (text_cfg[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "hidden_size_per_layer_input"))
+    V, H, L, P = (
+        text_cfg[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "hidden_size_per_layer_input")
+    )
     root = bundle["path"]
     expected = {
         "embed_tokens_q8.bin": V * H,
@@ -389,9 +409,10 @@ def test_sidecar_sizes_follow_spec(bundle, text_cfg):
 def test_int8_tables_round_trip_the_checkpoint(bundle4, ckpt_np, text_cfg):
     root = bundle4["path"]
     V = text_cfg["vocab_size"]
-    for q_name, s_name, tensor in (("embed_tokens_q8.bin", "embed_tokens_scales.bin", "embed_tokens.weight"),
-                                   ("embed_tokens_per_layer_q8.bin", "embed_tokens_per_layer_scales.bin",
-                                    "embed_tokens_per_layer.weight")):
+    for q_name, s_name, tensor in (
+        ("embed_tokens_q8.bin", "embed_tokens_scales.bin", "embed_tokens.weight"),
+        ("embed_tokens_per_layer_q8.bin", "embed_tokens_per_layer_scales.bin", "embed_tokens_per_layer.weight"),
+    ):
         w = ckpt_np[tensor]
         q = np.fromfile(root / q_name, dtype=np.int8).reshape(V, -1)
         scale = np.fromfile(root / s_name, dtype="<f2")
@@ -464,17 +485,39 @@ def test_rope_tables_match_transformers(bundle16, hf_rope, layer_type, kind):
     if layer_type == FULL:
         assert rotating < d // 2  # the published defect: every full-layer pair rotating
         # the non-rotating pairs are exact identity
-        assert (cos[:, rotating: d // 2] == 1).all() and (sin[:, rotating: d // 2] == 0).all()
-    np.testing.assert_array_equal(cos[:, : d // 2], cos[:, d // 2:])  # split-half pairing
+        assert (cos[:, rotating : d // 2] == 1).all() and (sin[:, rotating : d // 2] == 0).all()
+    np.testing.assert_array_equal(cos[:, : d // 2], cos[:, d // 2 :])  # split-half pairing
 
 
 # -- model_config.json and hf_model/ ----------------------------------------------------------------
 
-SPEC_FIELDS = ("model_name", "architecture", "hidden_size", "num_hidden_layers", "num_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "global_head_dim", "vocab_size", "context_length", "sliding_window",
-               "per_layer_dim", "num_kv_shared_layers", "layer_types", "embed_scale", "per_layer_embed_scale",
-               "per_layer_model_projection_scale", "per_layer_input_scale", "rms_norm_eps", "bos_token_id",
-               "eos_token_id", "final_logit_softcapping", "quantization", "compute_units")
+SPEC_FIELDS = (
+    "model_name",
+    "architecture",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "vocab_size",
+    "context_length",
+    "sliding_window",
+    "per_layer_dim",
+    "num_kv_shared_layers",
+    "layer_types",
+    "embed_scale",
+    "per_layer_embed_scale",
+    "per_layer_model_projection_scale",
+    "per_layer_input_scale",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+    "final_logit_softcapping",
+    "quantization",
+    "compute_units",
+)
 
 
 def test_model_config_has_every_spec_field(bundle, text_cfg):
@@ -484,13 +527,25 @@ def test_model_config_has_every_spec_field(bundle, text_cfg):
     t = text_cfg
     H, P = t["hidden_size"], t["hidden_size_per_layer_input"]
     want = {
-        "architecture": "gemma4", "hidden_size": H, "num_hidden_layers": t["num_hidden_layers"],
-        "num_layers": t["num_hidden_layers"], "num_attention_heads": t["num_attention_heads"],
-        "num_key_value_heads": t["num_key_value_heads"], "head_dim": t["head_dim"], "global_head_dim": t["global_head_dim"],
-        "vocab_size": t["vocab_size"], "context_length": CONTEXT, "sliding_window": t["sliding_window"],
-        "per_layer_dim": P, "num_kv_shared_layers": t["num_kv_shared_layers"], "layer_types": t["layer_types"],
-        "rms_norm_eps": t["rms_norm_eps"], "bos_token_id": 2, "eos_token_id": 1,
-        "final_logit_softcapping": 30.0, "compute_units": "CPU_AND_NE",
+        "architecture": "gemma4",
+        "hidden_size": H,
+        "num_hidden_layers": t["num_hidden_layers"],
+        "num_layers": t["num_hidden_layers"],
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t["head_dim"],
+        "global_head_dim": t["global_head_dim"],
+        "vocab_size": t["vocab_size"],
+        "context_length": CONTEXT,
+        "sliding_window": t["sliding_window"],
+        "per_layer_dim": P,
+        "num_kv_shared_layers": t["num_kv_shared_layers"],
+        "layer_types": t["layer_types"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "final_logit_softcapping": 30.0,
+        "compute_units": "CPU_AND_NE",
     }
     assert {k: mc[k] for k in want} == want
     assert mc["embed_scale"] == pytest.approx(H**0.5, rel=1e-9)
@@ -509,7 +564,8 @@ def test_hf_model_is_copied_from_src(bundle16, tiny_e2b):
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
         assert (hf / name).read_bytes() == (tiny_e2b / name).read_bytes(), name
     has_template = (hf / "chat_template.jinja").is_file() or "chat_template" in json.loads(
-        (hf / "tokenizer_config.json").read_text())
+        (hf / "tokenizer_config.json").read_text()
+    )
     assert has_template
     if (tiny_e2b / "chat_template.jinja").is_file():
         assert (hf / "chat_template.jinja").read_bytes() == (tiny_e2b / "chat_template.jinja").read_bytes()
@@ -518,6 +574,7 @@ def test_hf_model_is_copied_from_src(bundle16, tiny_e2b):
 
 
 # -- manifest, model card, permissions -----------------------------------------------------------
+
 
 def test_manifest_lists_every_file_with_size_and_sha256(bundle, tiny_e2b):
     import coremltools as ct
@@ -539,7 +596,12 @@ def test_manifest_lists_every_file_with_size_and_sha256(bundle, tiny_e2b):
     assert conv["gemma_ane"] == gemma_ane.__version__
     assert manifest["source"]["config_sha256"] == sha256(tiny_e2b / "config.json")
     opts = manifest["options"]
-    assert (opts["bits"], opts["context"], opts["group_size"], opts["prefill_batch"]) == (bundle["bits"], CONTEXT, 32, 8)
+    assert (opts["bits"], opts["context"], opts["group_size"], opts["prefill_batch"]) == (
+        bundle["bits"],
+        CONTEXT,
+        32,
+        8,
+    )
     assert opts["split"] == [5, 13]
 
 
@@ -600,6 +662,7 @@ def test_bundle_is_readable_by_others(bundle16):
 
 # -- atomicity and --force -----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
     from gemma_ane import convert as convert_mod
@@ -658,6 +721,7 @@ def test_force_replaces_an_existing_out(bundle16):
 
 
 # -- inspect ----------------------------------------------------------------------------------------
+
 
 def run_cli(capsys, *argv):
     from gemma_ane.cli import main
@@ -767,6 +831,7 @@ def test_inspect_reports_an_unverified_manifest(capsys, bundle16, tmp_path):
 
 # -- bad input: one line on stderr, exit status 2, nothing left behind -----------------------------
 
+
 def assert_one_line_error(err: str, *needles):
     lines = err.strip("\n").splitlines()
     assert len(lines) == 1, err
@@ -794,6 +859,7 @@ def edited_ckpt(tiny_e2b, tmp_path):
                 edit_tensor(tensors)
             save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
         return dst
+
     return make
 
 
@@ -801,8 +867,9 @@ def _convert_cli(capsys, src, out, *flags):
     return run_cli(capsys, "convert", src, out, "--context", CONTEXT, "--bits", 16, "--quiet", *flags)
 
 
-@pytest.mark.parametrize("case", ["bits", "bits_text", "group_size", "context_not_32", "context_zero",
-                                  "prefill_batch", "split"])
+@pytest.mark.parametrize(
+    "case", ["bits", "bits_text", "group_size", "context_not_32", "context_zero", "prefill_batch", "split"]
+)
 def test_bad_flag_values(case, capsys, tiny_e2b, tmp_path):
     flags, needles = {
         "bits": (["--bits", "5"], ["--bits 5"]),

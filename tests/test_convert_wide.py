@@ -48,15 +48,22 @@ def test_full_width_chunk_converts_and_runs(wide, tmp_path):
     # (wrong slot, head or transpose) lands near 0.
     exe = MILModel(path)
     rng = np.random.default_rng(0)
-    x = {n: (np.array([0], np.int32) if t["dtype"] == "int32" else
-             (rng.standard_normal(t["shape"]) * (0 if "mask" in n else 1)).astype(np.float16))
-         for n, t in io["inputs"].items()}
+    x = {
+        n: (
+            np.array([0], np.int32)
+            if t["dtype"] == "int32"
+            else (rng.standard_normal(t["shape"]) * (0 if "mask" in n else 1)).astype(np.float16)
+        )
+        for n, t in io["inputs"].items()
+    }
     x["causal_mask_full"][..., 1:] = -65504  # position 0 sees slot 0 only
     x["causal_mask_sliding"][..., 1:] = -65504
     x["cos_s"][:], x["sin_s"][:], x["cos_f"][:], x["sin_f"][:] = 1, 0, 1, 0
     out = exe.predict(x, state=exe.make_state())
     with torch.no_grad():
-        ref = model(*[torch.from_numpy(x[n].astype(np.int32 if n.endswith("pos") else np.float32)) for n in want["inputs"]])
+        ref = model(
+            *[torch.from_numpy(x[n].astype(np.int32 if n.endswith("pos") else np.float32)) for n in want["inputs"]]
+        )
     got, expect = out["hidden_states_out"].astype(np.float32).ravel(), ref[0].numpy().ravel()
     cos = got @ expect / (np.linalg.norm(got) * np.linalg.norm(expect))
     assert cos > 0.9, cos  # measured 0.95

@@ -6,6 +6,7 @@ import pytest
 
 from gemma_ane.engine import ContextOverflow, Engine
 
+
 class Recorder:
     def __init__(self, name, log, outputs):
         self.name, self.log, self.outputs = name, log, outputs
@@ -65,6 +66,7 @@ def test_schedule_from_unaligned_position_and_overflow():
 
 
 # -- the cache rules -------------------------------------------------------------------------------
+
 
 def test_reuse_keeps_the_steps_a_fresh_run_would_take():
     engine, log = recording_engine(window=16, context=64)

@@ -47,8 +47,12 @@ def narrow(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("narrow")
     ckpt = write_tiny(root / "ckpt", preset="e2b-narrow")
-    convert(str(ckpt), str(root / "bundle"), ConvertOptions(context=CONTEXT, bits=16, kv_prefill_batches=(64,)),
-            progress=False)
+    convert(
+        str(ckpt),
+        str(root / "bundle"),
+        ConvertOptions(context=CONTEXT, bits=16, kv_prefill_batches=(64,)),
+        progress=False,
+    )
     return ckpt, root / "bundle"
 
 

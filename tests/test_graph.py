@@ -8,8 +8,16 @@ from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.engine import Engine
 from gemma_ane.graph import RMSNorm, TorchChunk, build_chunks
 from gemma_ane.spec import ChunkPlan
-from gemma_ane.verify import (FP16_MIN_COSINE, FP16_MIN_TOP1, compare, host_from_checkpoint, oracle_logits,
-                              oracle_model, random_ids, verify_graph)
+from gemma_ane.verify import (
+    FP16_MIN_COSINE,
+    FP16_MIN_TOP1,
+    compare,
+    host_from_checkpoint,
+    oracle_logits,
+    oracle_model,
+    random_ids,
+    verify_graph,
+)
 
 
 def make_engine(src, context=128, dtype=torch.float32, prefill_batch=8):
@@ -39,11 +47,14 @@ def feed_segments(engine, ids, cuts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cuts", [
-    [13],          # prompt of 13: one exact batch, then single steps
-    [3, 40],       # batches starting at the unaligned position 3, then past the window
-    [1, 2, 7, 64],  # many small feeds, a long one crossing the ring four times
-])
+@pytest.mark.parametrize(
+    "cuts",
+    [
+        [13],  # prompt of 13: one exact batch, then single steps
+        [3, 40],  # batches starting at the unaligned position 3, then past the window
+        [1, 2, 7, 64],  # many small feeds, a long one crossing the ring four times
+    ],
+)
 def test_every_position_matches_transformers_fp32(e2b_setup, cuts):
     engine, oracle, ckpt = e2b_setup
     ids = random_ids(ckpt.spec, 80, seed=len(cuts))  # 80 = 5 windows of 16

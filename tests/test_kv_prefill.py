@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pip
 @pytest.fixture(scope="module")
 def bundle(tiny_e2b, tmp_path_factory):
     out = tmp_path_factory.mktemp("kv") / "bundle"
-    convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, kv_prefill_batches=(16, 8, 4)), progress=False)
+    convert(
+        str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, kv_prefill_batches=(16, 8, 4)), progress=False
+    )
     return out
 
 
@@ -31,6 +33,7 @@ def schedule(engine):
     def predict(function, inputs, state):
         calls.append((function, int(inputs["current_pos"][0])))
         return original(function, inputs, state)
+
     c1.predict = predict
     return calls
 
@@ -74,16 +77,23 @@ def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
 
     model = gemma_ane.load(bundle, backend="mil")
     prompt = random_ids(model_spec := Checkpoint(tiny_e2b).spec, 37, seed=11).tolist()
-    ours = model.generate(model.tokenizer.decode(prompt), raw=True, temperature=0, max_tokens=30,
-                          repetition_penalty=2.0)
+    ours = model.generate(
+        model.tokenizer.decode(prompt), raw=True, temperature=0, max_tokens=30, repetition_penalty=2.0
+    )
     ids = [2] + model.encode(model.tokenizer.decode(prompt))
     tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     oracle = oracle_model(Checkpoint(tiny_e2b), tables)
     with torch.no_grad():
-        ref = oracle.generate(torch.tensor([ids]), max_new_tokens=len(ours.tokens), do_sample=False,
-                              repetition_penalty=2.0, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        ref = oracle.generate(
+            torch.tensor([ids]),
+            max_new_tokens=len(ours.tokens),
+            do_sample=False,
+            repetition_penalty=2.0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
     assert len(ids) + len(ours.tokens) > 2 * model_spec.sliding_window
-    assert ours.tokens == ref[:len(ours.tokens)]
+    assert ours.tokens == ref[: len(ours.tokens)]
 
 
 def test_seed_contract_path_agrees_where_it_is_exact(bundle, tiny_e2b):
@@ -99,13 +109,17 @@ def test_seed_contract_path_agrees_where_it_is_exact(bundle, tiny_e2b):
 def test_weights_shared_and_costs_reported(bundle, tiny_e2b, tmp_path):
     plain = tmp_path / "plain"
     convert(str(tiny_e2b), str(plain), ConvertOptions(context=128, bits=16, kv_prefill_batches=()), progress=False)
+    weights = "Data/com.apple.CoreML/weights/weight.bin"
     for chunk in ("chunk_1", "chunk_2"):
-        w = lambda b: (b / f"{chunk}.mlpackage/Data/com.apple.CoreML/weights/weight.bin").stat().st_size
-        assert w(bundle) <= w(plain) * (1 + 0.05 * 3), chunk  # three added functions, < 5% each
+        ours, seed = ((b / f"{chunk}.mlpackage" / weights).stat().st_size for b in (bundle, plain))
+        assert ours <= seed * (1 + 0.05 * 3), chunk  # three added functions, < 5% each
     paths = inspect_bundle(bundle, sha256=False)["prompt_paths"]
     assert set(paths) == {"infer", "prefill_b8", "prefill_kv_b16", "prefill_kv_b8", "prefill_kv_b4"}
     for T in (16, 8, 4):
         kv = paths[f"prefill_kv_b{T}"]
         assert kv["macs_per_prompt_token"] < paths["prefill_b8"]["macs_per_prompt_token"]
         assert kv["tokens_per_call"] == T
-    assert paths["prefill_kv_b16"]["weight_bytes_per_prompt_token"] < paths["prefill_b8"]["weight_bytes_per_prompt_token"] / 2
+    assert (
+        paths["prefill_kv_b16"]["weight_bytes_per_prompt_token"]
+        < paths["prefill_b8"]["weight_bytes_per_prompt_token"] / 2
+    )

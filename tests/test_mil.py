@@ -46,10 +46,15 @@ def one_torch_thread():
 
 # -- building and reading tiny programs ----------------------------------------------------------
 
+
 def save(prog, path: Path, precision: str = "fp32") -> Path:
-    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=IOS18,
-                       compute_precision=ct.precision.FLOAT32 if precision == "fp32" else ct.precision.FLOAT16,
-                       skip_model_load=True)
+    model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=IOS18,
+        compute_precision=ct.precision.FLOAT32 if precision == "fp32" else ct.precision.FLOAT16,
+        skip_model_load=True,
+    )
     model.save(str(path))
     return path
 
@@ -92,17 +97,26 @@ S, D = 8, 4  # ring slots, row width
 
 
 def ring_write_program(T: int):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 2, S, D), dtype=FP16), mb.TensorSpec(shape=(1, 2, T, D), dtype=FP16),
-                             mb.TensorSpec(shape=(1,), dtype=INT32)], opset_version=IOS18)
+    @mb.program(
+        input_specs=[
+            mb.TensorSpec(shape=(1, 2, S, D), dtype=FP16),
+            mb.TensorSpec(shape=(1, 2, T, D), dtype=FP16),
+            mb.TensorSpec(shape=(1,), dtype=INT32),
+        ],
+        opset_version=IOS18,
+    )
     def prog(cache, update, pos):
         # begin/end computed from an int32 input, as the traced chunks do for ring_pos
         begin = mb.concat(values=[i32([0, 0]), pos, i32([0])], axis=0)
         end = mb.concat(values=[i32([1, 2]), mb.add(x=pos, y=np.int32(T)), i32([D])], axis=0)
         return mb.slice_update(x=cache, update=update, begin=begin, end=end, name="out")
+
     return prog
 
 
-@pytest.mark.parametrize("T,pos", [(1, S - 1), (1, 0), (1, 3), (2, S - 2)], ids=["last", "first", "middle", "T2-at-edge"])
+@pytest.mark.parametrize(
+    "T,pos", [(1, S - 1), (1, 0), (1, 3), (2, S - 2)], ids=["last", "first", "middle", "T2-at-edge"]
+)
 def test_slice_update_at_the_ring_edge(tmp_path, T, pos):
     model = MILModel(build(ring_write_program(T), tmp_path / "p.mlpackage", "slice_update", precision="fp16"))
     rng = np.random.default_rng(pos)
@@ -111,7 +125,7 @@ def test_slice_update_at_the_ring_edge(tmp_path, T, pos):
     update = f16(rng.standard_normal((1, 2, T, D)))
     out = model.predict({"cache": cache, "update": update, "pos": i32([pos])})["out"]
     want = before.copy()
-    want[:, :, pos:pos + T] = update
+    want[:, :, pos : pos + T] = update
     assert out.dtype == np.float16
     np.testing.assert_array_equal(out, want)
     # the in-place write is only allowed into buffers the executor owns, never the caller's input
@@ -131,8 +145,11 @@ def _axes_name(axes):
 def test_reductions_over_each_axis(tmp_path, op):
     @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3, 4, 5), dtype=FP32)], opset_version=IOS18)
     def prog(x):
-        return tuple(getattr(mb, f"reduce_{op}")(x=x, axes=axes, keep_dims=kd, name=f"r_{_axes_name(axes)}_{int(kd)}")
-                     for axes in REDUCE_AXES for kd in (True, False))
+        return tuple(
+            getattr(mb, f"reduce_{op}")(x=x, axes=axes, keep_dims=kd, name=f"r_{_axes_name(axes)}_{int(kd)}")
+            for axes in REDUCE_AXES
+            for kd in (True, False)
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", f"reduce_{op}"))
     x = f32(np.random.default_rng(1).standard_normal((2, 3, 4, 5)))
@@ -161,10 +178,17 @@ def test_fp16_reduce_mean_accumulates_wider_than_fp16(tmp_path):
 
 # -- gather ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def gather_model(tmp_path_factory):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(5, 3), dtype=FP32), mb.TensorSpec(shape=(4,), dtype=INT32),
-                             mb.TensorSpec(shape=(3,), dtype=INT32)], opset_version=IOS18)
+    @mb.program(
+        input_specs=[
+            mb.TensorSpec(shape=(5, 3), dtype=FP32),
+            mb.TensorSpec(shape=(4,), dtype=INT32),
+            mb.TensorSpec(shape=(3,), dtype=INT32),
+        ],
+        opset_version=IOS18,
+    )
     def prog(x, rows, cols):
         return mb.gather(x=x, indices=rows, axis=0, name="by_row"), mb.gather(x=x, indices=cols, axis=-1, name="by_col")
 
@@ -189,6 +213,7 @@ def test_gather_out_of_range_is_a_clear_error(gather_model, bad):
 
 
 # -- activations ---------------------------------------------------------------------------------
+
 
 def test_softmax(tmp_path):
     @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3, 4), dtype=FP16)], opset_version=IOS18)
@@ -225,18 +250,33 @@ def test_gelu_tanh_and_exact(tmp_path):
 
 # -- data movement -------------------------------------------------------------------------------
 
+
 def test_concat_and_split(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=FP32), mb.TensorSpec(shape=(2, 6), dtype=FP32),
-                             mb.TensorSpec(shape=(2, 3), dtype=FP32)], opset_version=IOS18)
+    @mb.program(
+        input_specs=[
+            mb.TensorSpec(shape=(2, 3), dtype=FP32),
+            mb.TensorSpec(shape=(2, 6), dtype=FP32),
+            mb.TensorSpec(shape=(2, 3), dtype=FP32),
+        ],
+        opset_version=IOS18,
+    )
     def prog(a, b, c):
         cat_last = mb.concat(values=[a, b], axis=-1, name="cat_last")
         cat_first = mb.concat(values=[a, c, a], axis=0, name="cat_first")
         inter = mb.concat(values=[a, c], axis=1, interleave=True, name="interleave")
         s0, s1, s2 = mb.split(x=b, num_splits=3, axis=-1, name="even")
         u0, u1, u2 = mb.split(x=b, split_sizes=[1, 2, 3], axis=1, name="sized")
-        return (cat_last, cat_first, inter, mb.identity(x=s0, name="e0"), mb.identity(x=s1, name="e1"),
-                mb.identity(x=s2, name="e2"), mb.identity(x=u0, name="u0"), mb.identity(x=u1, name="u1"),
-                mb.identity(x=u2, name="u2"))
+        return (
+            cat_last,
+            cat_first,
+            inter,
+            mb.identity(x=s0, name="e0"),
+            mb.identity(x=s1, name="e1"),
+            mb.identity(x=s2, name="e2"),
+            mb.identity(x=u0, name="u0"),
+            mb.identity(x=u1, name="u1"),
+            mb.identity(x=u2, name="u2"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "concat", "split"))
     rng = np.random.default_rng(3)
@@ -252,14 +292,18 @@ def test_concat_and_split(tmp_path):
 
 
 def test_reshape_transpose_expand_dims_squeeze(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3, 4), dtype=FP32), mb.TensorSpec(shape=(1, 3, 1, 4), dtype=FP32)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(2, 3, 4), dtype=FP32), mb.TensorSpec(shape=(1, 3, 1, 4), dtype=FP32)],
+        opset_version=IOS18,
+    )
     def prog(x, y):
-        return (mb.reshape(x=x, shape=[4, 6], name="reshape"),
-                mb.transpose(x=x, perm=[2, 0, 1], name="transpose"),
-                mb.expand_dims(x=x, axes=[0, -1], name="expand"),
-                mb.squeeze(x=y, axes=[0, -2], name="squeeze_axes"),
-                mb.squeeze(x=y, name="squeeze_all"))
+        return (
+            mb.reshape(x=x, shape=[4, 6], name="reshape"),
+            mb.transpose(x=x, perm=[2, 0, 1], name="transpose"),
+            mb.expand_dims(x=x, axes=[0, -1], name="expand"),
+            mb.squeeze(x=y, axes=[0, -2], name="squeeze_axes"),
+            mb.squeeze(x=y, name="squeeze_all"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "reshape", "transpose", "expand_dims", "squeeze"))
     rng = np.random.default_rng(4)
@@ -274,12 +318,17 @@ def test_reshape_transpose_expand_dims_squeeze(tmp_path):
 
 
 def test_select_and_tile(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=FP32), mb.TensorSpec(shape=(2, 3), dtype=FP32)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(2, 3), dtype=FP32), mb.TensorSpec(shape=(2, 3), dtype=FP32)],
+        opset_version=IOS18,
+    )
     def prog(a, b):
         cond = mb.greater(x=a, y=b)
-        return (mb.select(cond=cond, a=a, b=b, name="select"),
-                mb.tile(x=a, reps=[2, 1], name="tile_rows"), mb.tile(x=a, reps=[1, 3], name="tile_cols"))
+        return (
+            mb.select(cond=cond, a=a, b=b, name="select"),
+            mb.tile(x=a, reps=[2, 1], name="tile_rows"),
+            mb.tile(x=a, reps=[1, 3], name="tile_cols"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "select", "tile"))
     rng = np.random.default_rng(5)
@@ -291,11 +340,15 @@ def test_select_and_tile(tmp_path):
 
 
 def test_cast(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(6,), dtype=FP32), mb.TensorSpec(shape=(3,), dtype=INT32)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(6,), dtype=FP32), mb.TensorSpec(shape=(3,), dtype=INT32)], opset_version=IOS18
+    )
     def prog(x, n):
-        return (mb.cast(x=x, dtype="int32", name="to_int"), mb.cast(x=x, dtype="fp16", name="to_half"),
-                mb.cast(x=n, dtype="fp32", name="to_float"))
+        return (
+            mb.cast(x=x, dtype="int32", name="to_int"),
+            mb.cast(x=x, dtype="fp16", name="to_half"),
+            mb.cast(x=n, dtype="fp32", name="to_float"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "cast"))
     x = f32([-2.75, -0.5, 0.5, 2.75, 3.0, 70000.0])
@@ -311,15 +364,24 @@ def test_cast(tmp_path):
 
 # -- matmul, linear --------------------------------------------------------------------------------
 
+
 def test_matmul_with_transpose_flags(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3, 4), dtype=FP16), mb.TensorSpec(shape=(2, 5, 4), dtype=FP16),
-                             mb.TensorSpec(shape=(2, 4, 3), dtype=FP16), mb.TensorSpec(shape=(4, 3), dtype=FP16)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[
+            mb.TensorSpec(shape=(2, 3, 4), dtype=FP16),
+            mb.TensorSpec(shape=(2, 5, 4), dtype=FP16),
+            mb.TensorSpec(shape=(2, 4, 3), dtype=FP16),
+            mb.TensorSpec(shape=(4, 3), dtype=FP16),
+        ],
+        opset_version=IOS18,
+    )
     def prog(a, b, at, c):
-        return (mb.matmul(x=a, y=b, transpose_y=True, name="ty"),
-                mb.matmul(x=at, y=b, transpose_x=True, transpose_y=True, name="txty"),
-                mb.matmul(x=at, y=at, transpose_x=True, name="tx"),
-                mb.matmul(x=a, y=c, name="broadcast"))
+        return (
+            mb.matmul(x=a, y=b, transpose_y=True, name="ty"),
+            mb.matmul(x=at, y=b, transpose_x=True, transpose_y=True, name="txty"),
+            mb.matmul(x=at, y=at, transpose_x=True, name="tx"),
+            mb.matmul(x=a, y=c, name="broadcast"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "matmul", precision="fp16"))
     rng = np.random.default_rng(6)
@@ -339,8 +401,10 @@ def test_fp16_matmul_accumulates_in_fp32(tmp_path):
     # same-sign products overflows (80000 > 65504), while the result, 40000, is an fp16 number.
     n = 2049
 
-    @mb.program(input_specs=[mb.TensorSpec(shape=(1, n), dtype=FP16), mb.TensorSpec(shape=(n, 1), dtype=FP16)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(1, n), dtype=FP16), mb.TensorSpec(shape=(n, 1), dtype=FP16)],
+        opset_version=IOS18,
+    )
     def prog(x, y):
         return mb.matmul(x=x, y=y, name="dot")
 
@@ -373,8 +437,12 @@ def test_inverse_and_rsqrt_add_epsilon_first(tmp_path):
     # default epsilons out (1e-4 and 1e-12), and x = 0 shows them directly.
     @mb.program(input_specs=[mb.TensorSpec(shape=(4,), dtype=FP32)], opset_version=IOS18)
     def prog(x):
-        return (mb.inverse(x=x, epsilon=0.5, name="inv"), mb.inverse(x=x, name="inv_default"),
-                mb.rsqrt(x=x, epsilon=0.5, name="rsqrt"), mb.rsqrt(x=x, name="rsqrt_default"))
+        return (
+            mb.inverse(x=x, epsilon=0.5, name="inv"),
+            mb.inverse(x=x, name="inv_default"),
+            mb.rsqrt(x=x, epsilon=0.5, name="rsqrt"),
+            mb.rsqrt(x=x, name="rsqrt_default"),
+        )
 
     model = MILModel(build(prog, tmp_path / "p.mlpackage", "inverse", "rsqrt"))
     x = f32([0.0, 0.25, 1.0, 4.0])
@@ -387,6 +455,7 @@ def test_inverse_and_rsqrt_add_epsilon_first(tmp_path):
 
 
 # -- constexpr_lut_to_dense ----------------------------------------------------------------------
+
 
 def _lut_dense(lut: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """lut[group, idx] spelled out: lut is [groups along each axis..., palette, 1]."""
@@ -401,7 +470,12 @@ def _lut_dense(lut: np.ndarray, indices: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("mode,axis", [("uniform", 0), ("kmeans", 0), ("uniform", 1)])
 def test_constexpr_lut_to_dense_matches_coremltools(tmp_path, monkeypatch, mode, axis):
-    from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, decompress_weights, palettize_weights
+    from coremltools.optimize.coreml import (
+        OpPalettizerConfig,
+        OptimizationConfig,
+        decompress_weights,
+        palettize_weights,
+    )
 
     rng = np.random.default_rng(8)
     W = f32(rng.standard_normal((16, 8)))
@@ -410,20 +484,34 @@ def test_constexpr_lut_to_dense_matches_coremltools(tmp_path, monkeypatch, mode,
     def prog(x):
         return mb.linear(x=x, weight=W, name="y")
 
-    dense_model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=IOS18,
-                             compute_precision=ct.precision.FLOAT16, skip_model_load=True)
-    config = OptimizationConfig(global_config=OpPalettizerConfig(
-        mode=mode, nbits=4, granularity="per_grouped_channel", group_size=4, channel_axis=axis, weight_threshold=1))
+    dense_model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=IOS18,
+        compute_precision=ct.precision.FLOAT16,
+        skip_model_load=True,
+    )
+    config = OptimizationConfig(
+        global_config=OpPalettizerConfig(
+            mode=mode, nbits=4, granularity="per_grouped_channel", group_size=4, channel_axis=axis, weight_threshold=1
+        )
+    )
     palettized = palettize_weights(dense_model, config)
     palettized.save(str(tmp_path / "pal.mlpackage"))
     decompress_weights(palettized).save(str(tmp_path / "dec.mlpackage"))
 
-    (lut_op,) = [op for op in load_program(tmp_path / "pal.mlpackage").functions["main"].operations
-                 if op.op_type == "constexpr_lut_to_dense"]
+    (lut_op,) = [
+        op
+        for op in load_program(tmp_path / "pal.mlpackage").functions["main"].operations
+        if op.op_type == "constexpr_lut_to_dense"
+    ]
     lut, indices = np.asarray(lut_op.lut.val, np.float32), np.asarray(lut_op.indices.val)
     assert lut.shape == ((4, 1, 16, 1) if axis == 0 else (1, 2, 16, 1))
-    (dec_w,) = [op.outputs[0].val for op in load_program(tmp_path / "dec.mlpackage").functions["main"].operations
-                if op.op_type == "const" and np.ndim(op.outputs[0].val) == 2]
+    (dec_w,) = [
+        op.outputs[0].val
+        for op in load_program(tmp_path / "dec.mlpackage").functions["main"].operations
+        if op.op_type == "const" and np.ndim(op.outputs[0].val) == 2
+    ]
     manual = _lut_dense(lut, indices)
     np.testing.assert_array_equal(manual, f32(dec_w))  # the two references agree with each other
     assert not np.allclose(manual, W)  # and the weight really is quantised
@@ -443,21 +531,29 @@ def test_constexpr_lut_to_dense_matches_coremltools(tmp_path, monkeypatch, mode,
 
 # -- states ----------------------------------------------------------------------------------------
 
+
 def accumulator_program():
-    @mb.program(input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
+        opset_version=IOS18,
+    )
     def prog(acc, x):
         total = mb.add(x=mb.read_state(input=acc), y=x)
         mb.coreml_update_state(state=acc, value=total)
         return mb.mul(x=total, y=np.float16(1), name="total")
+
     return prog
 
 
 @pytest.fixture(scope="module")
 def stateful(tmp_path_factory):
     root = tmp_path_factory.mktemp("stateful")
-    return {name: build(accumulator_program(), root / f"{name}.mlpackage", "read_state", "coreml_update_state",
-                        precision="fp16") for name in ("a", "b")}
+    return {
+        name: build(
+            accumulator_program(), root / f"{name}.mlpackage", "read_state", "coreml_update_state", precision="fp16"
+        )
+        for name in ("a", "b")
+    }
 
 
 def test_state_starts_at_zero_and_persists_across_calls(stateful):
@@ -484,8 +580,15 @@ def test_state_starts_at_zero_and_persists_across_calls(stateful):
 def ring_state_model(tmp_path_factory):
     """The KV-cache pattern: read_state -> slice_update at an input position -> coreml_update_state,
     returning the whole updated cache."""
-    @mb.program(input_specs=[mb.StateTensorSpec(shape=(1, 1, S, D), dtype=FP16), mb.TensorSpec(shape=(1, 1, 1, D), dtype=FP16),
-                             mb.TensorSpec(shape=(1,), dtype=INT32)], opset_version=IOS18)
+
+    @mb.program(
+        input_specs=[
+            mb.StateTensorSpec(shape=(1, 1, S, D), dtype=FP16),
+            mb.TensorSpec(shape=(1, 1, 1, D), dtype=FP16),
+            mb.TensorSpec(shape=(1,), dtype=INT32),
+        ],
+        opset_version=IOS18,
+    )
     def prog(cache, row, pos):
         begin = mb.concat(values=[i32([0, 0]), pos, i32([0])], axis=0)
         end = mb.concat(values=[i32([1, 1]), mb.add(x=pos, y=np.int32(1)), i32([D])], axis=0)
@@ -527,8 +630,10 @@ def test_outputs_do_not_alias_the_state(ring_state_model):
 def test_read_state_is_the_value_before_a_later_update(tmp_path):
     # Core ML's read_state yields a value; the executor hands out the state's buffer, so an update
     # later in the same call must not show through an earlier read.
-    @mb.program(input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
+        opset_version=IOS18,
+    )
     def prog(acc, x):
         old = mb.read_state(input=acc)
         mb.coreml_update_state(state=acc, value=mb.add(x=old, y=x))
@@ -544,8 +649,11 @@ def test_read_state_is_the_value_before_a_later_update(tmp_path):
 
 # -- aliasing: a buffer is written in place or adopted only when nobody else can see it ------------------
 
-ROWS = [mb.StateTensorSpec(shape=(4, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16),
-        mb.TensorSpec(shape=(1,), dtype=INT32)]
+ROWS = [
+    mb.StateTensorSpec(shape=(4, 4), dtype=FP16),
+    mb.TensorSpec(shape=(1, 4), dtype=FP16),
+    mb.TensorSpec(shape=(1,), dtype=INT32),
+]
 
 
 def write_row(x, pos, row):
@@ -650,6 +758,7 @@ def test_a_state_can_be_set_to_a_constant(tmp_path):
 
 # -- multifunction packages, shared states, unknown ops ---------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def multifunction(tmp_path_factory):
     """`accumulate` adds x to the state, `peek` returns state + x without writing it; `broken`
@@ -665,9 +774,11 @@ def multifunction(tmp_path_factory):
     def broken(acc, x):
         return mb.erf(x=mb.add(x=mb.read_state(input=acc), y=x), name="total")
 
-    parts = {"accumulate": build(accumulator_program(), root / "acc.mlpackage", precision="fp16"),
-             "peek": build(peek, root / "peek.mlpackage", precision="fp16"),
-             "broken": build(broken, root / "broken.mlpackage", "erf", precision="fp16")}
+    parts = {
+        "accumulate": build(accumulator_program(), root / "acc.mlpackage", precision="fp16"),
+        "peek": build(peek, root / "peek.mlpackage", precision="fp16"),
+        "broken": build(broken, root / "broken.mlpackage", "erf", precision="fp16"),
+    }
     desc = ct.utils.MultiFunctionDescriptor()
     for name, path in parts.items():
         desc.add_function(str(path), src_function_name="main", target_function_name=name)
@@ -708,8 +819,11 @@ def test_package_interface_per_function(multifunction):
     package = Package.open(multifunction)
     assert package.function_names == ["accumulate", "peek", "broken"] and package.default_function == "peek"
     fp16_1x4 = {"shape": [1, 4], "dtype": "float16"}
-    assert package.interface("accumulate") == {"inputs": {"x": fp16_1x4}, "outputs": {"total": fp16_1x4},
-                                               "states": {"acc": fp16_1x4}}
+    assert package.interface("accumulate") == {
+        "inputs": {"x": fp16_1x4},
+        "outputs": {"total": fp16_1x4},
+        "states": {"acc": fp16_1x4},
+    }
     assert package.interface() == package.interface("peek")
     with pytest.raises(PackageError, match=r"no function 'prefill' \(has accumulate, peek, broken\)"):
         package.interface("prefill")
@@ -729,10 +843,13 @@ def test_package_errors_name_the_file(stateful, tmp_path):
 
 # -- input validation: one test per error ------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=FP16), mb.TensorSpec(shape=(1,), dtype=INT32)],
-                opset_version=IOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(2, 3), dtype=FP16), mb.TensorSpec(shape=(1,), dtype=INT32)],
+        opset_version=IOS18,
+    )
     def prog(x, pos):
         return mb.add(x=x, y=mb.cast(x=pos, dtype="fp16"), name="y")
 
@@ -799,6 +916,7 @@ def test_precision_other_than_fp16_or_fp32(stateful, precision):
 # Whole bundles
 # ====================================================================================================
 
+
 @pytest.fixture(scope="module")
 def bundle16(tiny_bundle16) -> Path:
     return tiny_bundle16
@@ -831,8 +949,9 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
             params = dict(model.named_parameters())
             for name, value in replacement.items():
                 params[name].copy_(torch.from_numpy(value))
-    return Engine([TorchChunk(m) for m in chunks], host, context=plan.context, window=plan.window,
-                  prefill_batch=prefill_batch)
+    return Engine(
+        [TorchChunk(m) for m in chunks], host, context=plan.context, window=plan.window, prefill_batch=prefill_batch
+    )
 
 
 def test_bundle_default_function_is_infer(bundle16):
@@ -989,8 +1108,9 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
     calls = {"batched": [], "single": []}
     for key, engine in (("batched", batched), ("single", single)):
         for chunk in engine.chunks:
-            chunk.predict = (lambda f, inputs, state, c=chunk, real=chunk.predict, log=calls[key]:
-                             log.append((c.name, f)) or real(f, inputs, state))
+            chunk.predict = lambda f, inputs, state, c=chunk, real=chunk.predict, log=calls[key]: (
+                log.append((c.name, f)) or real(f, inputs, state)
+            )
     ids = random_ids(ckpt.spec, 40, seed=2)
     a = run_engine(batched, ids, prompt_len=13)
     b = run_engine(single, ids, prompt_len=13)
@@ -1007,8 +1127,13 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
         assert set(sa) == set(sb) == {"kv_cache_sliding", "kv_cache_full"}
         for name in sa:
             assert sa[name].any(), (i, name)
-            np.testing.assert_allclose(sa[name].astype(np.float32), sb[name].astype(np.float32),
-                                       atol=cache_atol, rtol=0, err_msg=f"chunk_{i + 1} {name}")
+            np.testing.assert_allclose(
+                sa[name].astype(np.float32),
+                sb[name].astype(np.float32),
+                atol=cache_atol,
+                rtol=0,
+                err_msg=f"chunk_{i + 1} {name}",
+            )
 
     # reset() empties the caches: the same run again gives the same logits, bit for bit
     np.testing.assert_array_equal(run_engine(batched, ids, prompt_len=13), a)
@@ -1039,6 +1164,7 @@ def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
 
 
 # -- the CLI -----------------------------------------------------------------------------------------
+
 
 def test_cli_verify_bundle_json(bundle16, tiny_e2b, capsys):
     from gemma_ane.cli import main
@@ -1075,9 +1201,12 @@ def test_palettized_weights_are_decompressed_once_per_package_and_not_kept_dense
     shared = models[0]._weights
     assert all(m._weights is shared for m in models)
     program = chunk.package.program()
-    linear_weights = {(op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
-                      for fn in program.functions.values() for op in fn.operations
-                      if op.op_type == "linear" and op.inputs["weight"].op.op_type == "constexpr_lut_to_dense"}
+    linear_weights = {
+        (op.inputs["weight"].name, tuple(op.inputs["weight"].shape))
+        for fn in program.functions.values()
+        for op in fn.operations
+        if op.op_type == "linear" and op.inputs["weight"].op.op_type == "constexpr_lut_to_dense"
+    }
     assert linear_weights and set(shared) >= linear_weights
     assert len(calls) == len(linear_weights)  # not once per function
     dense = [c for m in models for c in m._consts if isinstance(c, np.ndarray) and c.ndim == 2 and c.size >= 2048]

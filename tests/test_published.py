@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pip
 @pytest.fixture(scope="module")
 def bundles(tiny_e2b, tiny_bundle16, tmp_path_factory):
     root = tmp_path_factory.mktemp("published")
-    convert(str(tiny_e2b), str(root / "published"), ConvertOptions(context=128, bits=16, layout="published"), progress=False)
+    convert(
+        str(tiny_e2b), str(root / "published"), ConvertOptions(context=128, bits=16, layout="published"), progress=False
+    )
     return root / "published", tiny_bundle16
 
 

@@ -35,6 +35,7 @@ CHUNK2_WEIGHTS = "chunk_2.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
 
 # -- fixtures ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bundle(tiny_bundle16) -> Path:
     return tiny_bundle16
@@ -77,6 +78,7 @@ def copy_bundle(bundle, tmp_path):
         dst = tmp_path / "bundle"
         shutil.copytree(bundle, dst)
         return dst
+
     return make
 
 
@@ -90,12 +92,19 @@ def oracle_greedy(oracle, ids, n, repetition_penalty=1.0):
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            out = oracle.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0, repetition_penalty=repetition_penalty, output_scores=True,
-                                  return_dict_in_generate=True)
+            out = oracle.generate(
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                repetition_penalty=repetition_penalty,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
     finally:
         torch.set_num_threads(threads)
-    return out.sequences[0, len(ids):].tolist(), [s[0].float().numpy() for s in out.scores]
+    return out.sequences[0, len(ids) :].tolist(), [s[0].float().numpy() for s in out.scores]
 
 
 def replay_logits(model, ids, tokens):
@@ -150,8 +159,10 @@ def test_greedy_equals_transformers_generate_past_the_window(model, oracle, case
     for i, (a, b) in enumerate(zip(ours.tokens, ref)):
         if a != b:
             top2 = np.sort(scores[i])[-2:]
-            pytest.fail(f"{case}: token {i} (position {len(ids) + i}) is {a}, transformers chose {b}; "
-                        f"transformers' top-2 gap there is {top2[1] - top2[0]:.4g}\nours {ours.tokens}\nref  {ref}")
+            pytest.fail(
+                f"{case}: token {i} (position {len(ids) + i}) is {a}, transformers chose {b}; "
+                f"transformers' top-2 gap there is {top2[1] - top2[0]:.4g}\nours {ours.tokens}\nref  {ref}"
+            )
     if rp != 1.0:
         assert len(set(ours.tokens)) > 20, "the penalised cases exist to compare varied outputs"
 
@@ -170,7 +181,7 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model):
     x = np.asarray(model.engine.feed(model.prompt_ids(FLAT["prompt"], raw=True))[-1], np.float32) / 1.5
     p = np.exp(x - x.max())
     p /= p.sum()
-    assert (p ** 2).sum() < 0.05, "precondition: the first draw alone collides with probability < 5 %"
+    assert (p**2).sum() < 0.05, "precondition: the first draw alone collides with probability < 5 %"
 
     a = model.generate(FLAT["prompt"], seed=1, **kw)
     b = model.generate(FLAT["prompt"], seed=1, **kw)
@@ -185,8 +196,9 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model):
 
 def test_top_k_1_is_greedy(model):
     greedy = model.generate("Once upon a time", raw=True, temperature=0, max_tokens=20, repetition_penalty=2.0)
-    k1 = model.generate("Once upon a time", raw=True, temperature=1.5, top_k=1, max_tokens=20,
-                        repetition_penalty=2.0, seed=3)
+    k1 = model.generate(
+        "Once upon a time", raw=True, temperature=1.5, top_k=1, max_tokens=20, repetition_penalty=2.0, seed=3
+    )
     assert k1.tokens == greedy.tokens
 
 
@@ -194,8 +206,7 @@ def test_logprobs_are_the_log_softmax_of_the_step_logits(model):
     model.reset()
     ids = model.prompt_ids(FLAT["prompt"], raw=True)
     # Sampled, so some chosen tokens are not the argmax and their logprob is a real check.
-    r = model.generate(FLAT["prompt"], raw=True, temperature=1.5, top_k=0, top_p=1.0, seed=5, max_tokens=12,
-                       logprobs=5)
+    r = model.generate(FLAT["prompt"], raw=True, temperature=1.5, top_k=0, top_p=1.0, seed=5, max_tokens=12, logprobs=5)
     assert r.reused_tokens == 0
     steps = replay_logits(model, ids, r.tokens)
     assert len(r.logprobs) == len(r.top_logprobs) == len(steps) == 12
@@ -217,10 +228,19 @@ def test_logprobs_only_when_asked(model):
     assert all(isinstance(v, float) and v <= 0 for v in r.logprobs) and r.top_logprobs == [[], [], []]
 
 
-@pytest.mark.parametrize("name,value", [
-    ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2),
-    ("repetition_penalty", 0), ("seed", -1), ("logprobs", 100),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 2),
+        ("repetition_penalty", 0),
+        ("seed", -1),
+        ("logprobs", 100),
+    ],
+)
 def test_invalid_sampling_parameter_is_named(model, name, value):
     with pytest.raises(SamplingError) as e:
         model.generate("Hello", raw=True, max_tokens=2, **{name: value})
@@ -267,6 +287,7 @@ def test_sampling_defaults_come_from_generation_config(model, bundle, monkeypatc
 
 # -- prefix reuse --------------------------------------------------------------------------------
 
+
 def _same(a, b):
     assert a.tokens == b.tokens
     assert a.logprobs == b.logprobs
@@ -279,7 +300,7 @@ GREEDY = dict(raw=True, temperature=0, repetition_penalty=2.0, logprobs=3)
 def test_extension_reuses_the_prefix_and_equals_a_fresh_run(model):
     a, b = "Once upon a time", "Once upon a time there was"
     ia, ib = model.prompt_ids(a, raw=True), model.prompt_ids(b, raw=True)
-    assert ib[:len(ia)] == ia and len(ia) == 11 and len(ib) == 15
+    assert ib[: len(ia)] == ia and len(ia) == 11 and len(ib) == 15
     model.reset()
     model.generate(a, max_tokens=4, **GREEDY)  # caches positions 0..14: inside the first ring pass
     reused = model.generate(b, max_tokens=20, **GREEDY)
@@ -334,7 +355,7 @@ def test_follow_up_turn_reuses_the_conversation_and_matches_a_freshly_loaded_mod
     cached = list(model.engine.tokens)
     turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "ok"}]
     ids2 = model.prompt_ids(messages=turn2)
-    assert ids2[:len(cached)] == cached, "precondition: the re-rendered answer tokenises as generated"
+    assert ids2[: len(cached)] == cached, "precondition: the re-rendered answer tokenises as generated"
     r2 = model.generate(messages=turn2, max_tokens=20, **kw)
     # Reuse stops where a fresh run would have scheduled the tokens differently (it prefills
     # positions 8-15 as one batch; the first turn decoded some of them one at a time): from
@@ -388,6 +409,7 @@ def test_head_runs_only_where_a_token_is_needed(model, monkeypatch):
 
 # -- context limits ------------------------------------------------------------------------------
 
+
 def test_generation_reaching_the_context_ends_with_length(model):
     model.reset()
     events = list(model.stream_generate("Once upon a time", raw=True, temperature=0, max_tokens=500))
@@ -419,6 +441,7 @@ def test_prompt_longer_than_the_context_is_a_clear_error(model):
 
 # -- stopping ------------------------------------------------------------------------------------
 
+
 def test_max_tokens_gives_length(model):
     r = model.generate("Hello world", raw=True, temperature=0, max_tokens=5)
     assert len(r.tokens) == 5 and r.finish_reason == "length"
@@ -428,12 +451,12 @@ def test_stop_string_is_honoured_whole_and_streamed(model):
     kw = dict(system="Be brief.", temperature=0, repetition_penalty=2.0, max_tokens=30)
     full = model.generate("Hello world", **kw)
     text = full.text
-    k = next(k for k in range(6, len(text) - 3) if "\ufffd" not in text[k:k + 3] and text[k:k + 3].strip())
-    stop = text[k:k + 3]
-    expected = text[:text.find(stop)]
+    k = next(k for k in range(6, len(text) - 3) if "\ufffd" not in text[k : k + 3] and text[k : k + 3].strip())
+    stop = text[k : k + 3]
+    expected = text[: text.find(stop)]
     r = model.generate("Hello world", stop=stop, **kw)
     assert r.text == expected and r.finish_reason == "stop"
-    assert len(r.tokens) < len(full.tokens) and r.tokens == full.tokens[:len(r.tokens)]
+    assert len(r.tokens) < len(full.tokens) and r.tokens == full.tokens[: len(r.tokens)]
     events = list(model.stream_generate("Hello world", stop=[stop], **kw))
     assert "".join(e.text for e in events) == expected
     assert events[-1].finish_reason == "stop"
@@ -445,10 +468,11 @@ def test_stop_ids_end_generation(model, monkeypatch):
     assert {1, 106} <= model.stop_ids
     monkeypatch.setattr(model, "stop_ids", {full.tokens[i]})
     r = model.generate("Once upon a time", max_tokens=20, **GREEDY)
-    assert r.tokens == full.tokens[:i + 1] and r.finish_reason == "stop"
+    assert r.tokens == full.tokens[: i + 1] and r.finish_reason == "stop"
 
 
 # -- output parsing: thinking, stop strings, multi-byte ------------------------------------------
+
 
 def _parse(tok, text, stop=None):
     ids = tok.encode(text, add_special_tokens=False).ids
@@ -464,7 +488,7 @@ def test_thinking_is_parsed_out_streamed_and_whole(tok):
     close = ids.index(101)
     assert "".join(d.reasoning for d in deltas) + tail.reasoning == "I think"
     assert "".join(d.content for d in deltas) + tail.content == "The answer"
-    assert all(not d.content for d in deltas[:close + 1]), "no answer text before the channel closes"
+    assert all(not d.content for d in deltas[: close + 1]), "no answer text before the channel closes"
     assert all(not d.reasoning for d in deltas[close:])
     assert "thought" not in "".join(d.reasoning for d in deltas)
     assert (parser.reasoning_text, parser.text) == ("I think", "The answer")
@@ -515,29 +539,52 @@ def test_multibyte_characters_are_never_emitted_half(tok):
 # -- chat template -------------------------------------------------------------------------------
 
 CONVERSATIONS = {
-    "system": ([{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France?"}], False),
-    "several-turns": ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-                       {"role": "user", "content": "Tell me a story."},
-                       {"role": "assistant", "content": "Once upon a time..."},
-                       {"role": "user", "content": "Thank you."}], False),
+    "system": (
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        False,
+    ),
+    "several-turns": (
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Tell me a story."},
+            {"role": "assistant", "content": "Once upon a time..."},
+            {"role": "user", "content": "Thank you."},
+        ],
+        False,
+    ),
     "thinking": ([{"role": "user", "content": "Think step by step: 2+2?"}], True),
-    "thinking-with-system": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
-                              {"role": "assistant", "content": "Because."}, {"role": "user", "content": "ok"}], True),
-    "text-parts": ([{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}],
-                   False),
+    "thinking-with-system": (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "Because."},
+            {"role": "user", "content": "ok"},
+        ],
+        True,
+    ),
+    "text-parts": (
+        [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}],
+        False,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", CONVERSATIONS, ids=list(CONVERSATIONS))
 def test_chat_prompt_equals_transformers_apply_chat_template(model, hf_tok, name):
     messages, thinking = CONVERSATIONS[name]
-    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                          enable_thinking=thinking)
+    expected = hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
     assert model.template.source is not None, "the bundle ships a template: it must be the one rendered"
     assert model.template.render(messages, add_generation_prompt=True, enable_thinking=thinking) == expected
-    assert model.prompt_ids(messages=messages, enable_thinking=thinking) == \
-        hf_tok(expected, add_special_tokens=False)["input_ids"]
+    assert (
+        model.prompt_ids(messages=messages, enable_thinking=thinking)
+        == hf_tok(expected, add_special_tokens=False)["input_ids"]
+    )
     if thinking:
         assert "<|think|>" in expected
 
@@ -565,14 +612,17 @@ def test_bundle_without_a_template_uses_the_builtin_formatter(bundle, tmp_path):
     assert got == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
 
 
-@pytest.mark.parametrize("source", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.__class__.__init__.__globals__ }}",
-    "{{ cycler.__init__.__globals__.os }}",
-    "{{ (messages.__class__)() }}",
-    "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages }}",
-    "{{ messages[0].update({'content': 'x'}) }}",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__.__init__.__globals__ }}",
+        "{{ cycler.__init__.__globals__.os }}",
+        "{{ (messages.__class__)() }}",
+        "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages }}",
+        "{{ messages[0].update({'content': 'x'}) }}",
+    ],
+)
 def test_template_reaching_for_python_internals_is_refused(source):
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ChatError):
@@ -599,6 +649,7 @@ def test_template_errors_are_chat_errors(model):
 
 
 # -- bundle files --------------------------------------------------------------------------------
+
 
 def test_missing_table_names_the_file(copy_bundle):
     b = copy_bundle()
@@ -654,6 +705,7 @@ def test_check_passes_on_an_intact_bundle(bundle, capsys):
 
 # -- host tables ---------------------------------------------------------------------------------
 
+
 def test_tables_stay_on_disk_and_only_used_rows_are_dequantised(model, bundle):
     """Resident memory must not grow with the tables (2.7 GB at E2B size): while they are open, no
     block of a table's size may be allocated, and a step reads and dequantises only its own rows."""
@@ -703,6 +755,7 @@ def test_tables_stay_on_disk_and_only_used_rows_are_dequantised(model, bundle):
 
 # -- backend selection ---------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(platform.system() == "Darwin", reason="Core ML is available on macOS")
 def test_coreml_backend_off_macos_is_a_clear_error(bundle):
     with pytest.raises(BundleError) as e:
@@ -725,6 +778,7 @@ def test_auto_backend_says_which_it_picked(capsys):
 
 
 # -- CLI -----------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def cli_model(model, monkeypatch):
@@ -752,8 +806,20 @@ class Writes(io.StringIO):
 
 
 def test_cli_generate_streams_text(model, bundle, cli_model, monkeypatch):
-    argv = ["generate", str(bundle), "-p", "Hello world", "--max-tokens", "8", "--temperature", "0",
-            "--repetition-penalty", "2", "--backend", "mil"]
+    argv = [
+        "generate",
+        str(bundle),
+        "-p",
+        "Hello world",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--repetition-penalty",
+        "2",
+        "--backend",
+        "mil",
+    ]
     expected = model.generate("Hello world", max_tokens=8, temperature=0, repetition_penalty=2.0).text
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
@@ -764,8 +830,20 @@ def test_cli_generate_streams_text(model, bundle, cli_model, monkeypatch):
 
 
 def test_cli_generate_json(model, bundle, cli_model, capsys):
-    argv = ["generate", str(bundle), "-p", "Hello world", "--max-tokens", "8", "--temperature", "0",
-            "--backend", "mil", "--json", "--raw"]
+    argv = [
+        "generate",
+        str(bundle),
+        "-p",
+        "Hello world",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--backend",
+        "mil",
+        "--json",
+        "--raw",
+    ]
     expected = model.generate("Hello world", raw=True, max_tokens=8, temperature=0)
     model.reset()
     assert main(argv) == 0
@@ -780,8 +858,25 @@ def test_cli_generate_json(model, bundle, cli_model, capsys):
 
 
 def test_cli_generate_loads_for_real(bundle, capsys):
-    assert main(["generate", str(bundle), "-p", "Hi", "--raw", "--max-tokens", "3", "--temperature", "0",
-                 "--backend", "mil", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(bundle),
+                "-p",
+                "Hi",
+                "--raw",
+                "--max-tokens",
+                "3",
+                "--temperature",
+                "0",
+                "--backend",
+                "mil",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out, _ = capsys.readouterr()
     got = json.loads(out)
     assert len(got["tokens"]) == 3 and got["finish_reason"] == "length"
@@ -794,14 +889,27 @@ def test_cli_chat_from_a_pipe(model, bundle, cli_model, monkeypatch, capsys):
     def recording(prompt=None, messages=None, **kw):
         for ev in original(prompt, messages, **kw):
             yield ev
-        turns.append({"messages": [dict(m) for m in messages], "thinking": kw.get("enable_thinking"),
-                      "reused": ev.reused_tokens})
+        turns.append(
+            {"messages": [dict(m) for m in messages], "thinking": kw.get("enable_thinking"), "reused": ev.reused_tokens}
+        )
 
     monkeypatch.setattr(model, "stream_generate", recording)
     script = "Hi\nok\n/reset\n/system Be brief.\n/think on\nWhy?\n/think maybe\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO(script))
-    rc = main(["chat", str(bundle), "--backend", "mil", "--max-tokens", "3", "--temperature", "0",
-               "--repetition-penalty", "2"])
+    rc = main(
+        [
+            "chat",
+            str(bundle),
+            "--backend",
+            "mil",
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--repetition-penalty",
+            "2",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert [t["messages"][-1]["content"] for t in turns] == ["Hi", "ok", "Why?"]
@@ -814,6 +922,10 @@ def test_cli_chat_from_a_pipe(model, bundle, cli_model, monkeypatch, capsys):
     assert turns[2]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
     assert [t["thinking"] for t in turns] == [False, False, True]
     assert turns[2]["reused"] == 0
-    for note in ("(conversation cleared)", "(system prompt set; conversation cleared)", "(thinking on)",
-                 "usage: /think on|off"):
+    for note in (
+        "(conversation cleared)",
+        "(system prompt set; conversation cleared)",
+        "(thinking on)",
+        "usage: /think on|off",
+    ):
         assert note in out, note

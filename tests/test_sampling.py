@@ -30,8 +30,9 @@ def test_top_indices_is_value_then_index_order(dtype):
 CASES = {
     "greedy": dict(temperature=0.0),
     "greedy-penalised": dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
-    "gemma-defaults-penalised": dict(temperature=1.0, top_k=64, top_p=0.95, repetition_penalty=1.1,
-                                     presence_penalty=0.5),
+    "gemma-defaults-penalised": dict(
+        temperature=1.0, top_k=64, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5
+    ),
     "top-k-min-p-frequency": dict(temperature=0.7, top_k=40, min_p=0.05, frequency_penalty=1.5),
     "boosting-penalties": dict(temperature=1.2, top_k=8, repetition_penalty=0.5, presence_penalty=-2.0),
     "top-k-1": dict(temperature=2.0, top_k=1, repetition_penalty=2.0),
@@ -70,6 +71,7 @@ def test_sample_leaves_the_logits_alone():
 
 
 # -- the distribution against transformers' own logits processors --------------------------------------------------
+
 
 def hf_distribution(x, params: SamplingParams, history=()) -> np.ndarray:
     """The probabilities transformers samples from (dense, 0 where cut), by its own processors in the order
@@ -132,8 +134,9 @@ DISTRIBUTIONS = {
     "repetition-boost": dict(repetition_penalty=0.6),
     "presence": dict(presence_penalty=1.5),
     "frequency": dict(frequency_penalty=0.7),
-    "penalties-then-temperature-top-p-min-p": dict(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
-                                                   presence_penalty=0.4, frequency_penalty=-0.5),
+    "penalties-then-temperature-top-p-min-p": dict(
+        temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=-0.5
+    ),
 }
 
 
@@ -152,18 +155,34 @@ def test_ties_at_a_cut_keep_the_lower_ids():
     (top-p), lower ids first, as `top_indices` orders everything. transformers keeps every tied token at a top-k
     cut and the higher ids at a top-p cut: the same mass, other tokens."""
     x = np.array([3, 1, 3, 2.5, 2.5, 1, 2.5, 0], np.float32)  # ids 3, 4, 6 tie
-    for params, ours, theirs in ((SamplingParams(top_k=4), [0, 2, 3, 4], [0, 2, 3, 4, 6]),
-                                 (SamplingParams(top_p=0.7), [0, 2, 3, 4], [0, 2, 4, 6])):
+    for params, ours, theirs in (
+        (SamplingParams(top_k=4), [0, 2, 3, 4], [0, 2, 3, 4, 6]),
+        (SamplingParams(top_p=0.7), [0, 2, 3, 4], [0, 2, 4, 6]),
+    ):
         assert np.flatnonzero(our_distribution(x, params)).tolist() == ours
         assert np.flatnonzero(hf_distribution(x, params)).tolist() == theirs
 
 
 # Top-p and min-p both cut the same ranking, so only the tighter one binds: one case each.
-@pytest.mark.parametrize("dtype,params", [
-    (np.float32, dict(temperature=0.8, top_p=0.9, min_p=0.05)),  # the plain path; min-p binds
-    (np.float16, dict(temperature=1.3, top_k=12, top_p=0.95, min_p=0.02, repetition_penalty=1.5,
-                      presence_penalty=0.5, frequency_penalty=0.3)),  # the fp16 top-k path, its own code; top-p binds
-], ids=["fp32-min-p", "fp16-top-k-top-p-penalised"])
+@pytest.mark.parametrize(
+    "dtype,params",
+    [
+        (np.float32, dict(temperature=0.8, top_p=0.9, min_p=0.05)),  # the plain path; min-p binds
+        (
+            np.float16,
+            dict(
+                temperature=1.3,
+                top_k=12,
+                top_p=0.95,
+                min_p=0.02,
+                repetition_penalty=1.5,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+            ),
+        ),  # the fp16 top-k path, its own code; top-p binds
+    ],
+    ids=["fp32-min-p", "fp16-top-k-top-p-penalised"],
+)
 def test_seeded_draws_follow_the_distribution(dtype, params):
     """20,000 draws against transformers' distribution: Pearson's chi-square, p-value from scipy."""
     stats = pytest.importorskip("scipy.stats")
@@ -183,10 +202,21 @@ def test_seeded_draws_follow_the_distribution(dtype, params):
     assert stats.chisquare(observed, expected * (len(draws) / expected.sum())).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("name,value", [
-    ("temperature", -1), ("top_k", 1.5), ("top_p", 0), ("min_p", 2), ("repetition_penalty", 0),
-    ("presence_penalty", 3), ("frequency_penalty", "x"), ("seed", -1), ("logprobs", 21), ("top_q", 0.5),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("temperature", -1),
+        ("top_k", 1.5),
+        ("top_p", 0),
+        ("min_p", 2),
+        ("repetition_penalty", 0),
+        ("presence_penalty", 3),
+        ("frequency_penalty", "x"),
+        ("seed", -1),
+        ("logprobs", 21),
+        ("top_q", 0.5),
+    ],
+)
 def test_errors_name_the_parameter(name, value):
     with pytest.raises(SamplingError) as e:
         SamplingParams.from_generation_config({}, **{name: value})

@@ -51,6 +51,7 @@ def msgs(text: str) -> list[dict]:
 
 # -- the server process ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bundle(tiny_bundle16, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("serve") / NAME  # the model id is the bundle directory's name
@@ -100,9 +101,24 @@ def server(bundle, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "gemma_ane.server", str(bundle), "--port", str(port),
-                                 "--backend", "mil", "--api-key", KEY, "--max-queue", str(MAX_QUEUE)],
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gemma_ane.server",
+                str(bundle),
+                "--port",
+                str(port),
+                "--backend",
+                "mil",
+                "--api-key",
+                KEY,
+                "--max-queue",
+                str(MAX_QUEUE),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         reference = gemma_ane.load(bundle, backend="mil")  # loads while the server does
         url = f"http://127.0.0.1:{port}"
@@ -146,6 +162,7 @@ def stream_text(events) -> tuple[str, str | None, object]:
 
 # -- the openai client ----------------------------------------------------------------------------
 
+
 def test_health_and_models(server, client):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == NAME
@@ -171,8 +188,15 @@ def test_chat_equals_the_library_and_every_parameter_reaches_the_sampler(server,
         other = {k: v for k, v in EXTENSIONS.items() if k != name}
         assert server.reference.generate(messages=m, max_tokens=16, **SAMPLING, **other).text != want.text, name
 
-    stream = client.chat.completions.create(model=NAME, messages=m, max_tokens=16, extra_body=EXTENSIONS, stream=True,
-                                            stream_options={"include_usage": True}, **SAMPLING)
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=m,
+        max_tokens=16,
+        extra_body=EXTENSIONS,
+        stream=True,
+        stream_options={"include_usage": True},
+        **SAMPLING,
+    )
     text, finish, usage = stream_text(stream)
     assert (text, finish) == (want.text, want.finish_reason)
     assert (usage.prompt_tokens, usage.completion_tokens) == (want.prompt_tokens, len(want.tokens))
@@ -208,8 +232,9 @@ def test_completions_raw_prompt(server, client):
 
 def test_chat_logprobs(server, client):
     m = msgs("hello")
-    r = client.chat.completions.create(model=NAME, messages=m, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model=NAME, messages=m, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     want = server.reference.generate(messages=m, max_tokens=6, temperature=0, logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -221,26 +246,36 @@ def test_chat_logprobs(server, client):
         assert e.bytes == list(e.token.encode())
 
     # sampled: byte tokens (half a UTF-8 character) report U+FFFD as text and their one raw byte
-    r = client.chat.completions.create(model=NAME, messages=m, max_tokens=24, seed=1, logprobs=True, top_logprobs=2,
-                                       extra_body=HOT_EXTRA, **HOT)
+    r = client.chat.completions.create(
+        model=NAME, messages=m, max_tokens=24, seed=1, logprobs=True, top_logprobs=2, extra_body=HOT_EXTRA, **HOT
+    )
     want = server.reference.generate(messages=m, max_tokens=24, seed=1, logprobs=2, **HOT, **HOT_EXTRA)
     content = r.choices[0].logprobs.content
     assert [e.logprob for e in content] == want.logprobs
-    assert [e.token for e in content] == [server.reference.tokenizer.decode([t], skip_special_tokens=False)
-                                          for t in want.tokens]
+    assert [e.token for e in content] == [
+        server.reference.tokenizer.decode([t], skip_special_tokens=False) for t in want.tokens
+    ]
     partial = [e for e in content if "\ufffd" in e.token]
     assert partial, "pick a seed whose output has a byte token"
     assert all(len(e.bytes) == 1 and e.bytes[0] >= 0x80 for e in partial)
 
-    stream = client.chat.completions.create(model=NAME, messages=m, max_tokens=24, seed=1, logprobs=True,
-                                            top_logprobs=2, stream=True, extra_body=HOT_EXTRA, **HOT)
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=m,
+        max_tokens=24,
+        seed=1,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body=HOT_EXTRA,
+        **HOT,
+    )
     streamed = [e.logprob for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert streamed == want.logprobs
 
 
 def test_completion_logprobs(server, client):
-    r = client.completions.create(model=NAME, prompt=RAW, max_tokens=5, logprobs=2, seed=4, extra_body=HOT_EXTRA,
-                                  **HOT)
+    r = client.completions.create(model=NAME, prompt=RAW, max_tokens=5, logprobs=2, seed=4, extra_body=HOT_EXTRA, **HOT)
     want = server.reference.generate(RAW, raw=True, max_tokens=5, logprobs=2, seed=4, **HOT, **HOT_EXTRA)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == want.logprobs and len(lp.tokens) == 5
@@ -263,8 +298,8 @@ def test_seed_reproducibility(client):
 def _stop_string(text: str) -> str:
     """Two letters from the middle of text, where a stop string would cut it."""
     for i in range(3, len(text) - 2):
-        if text[i:i + 2].isalpha() and text[i:i + 2].isascii():
-            return text[i:i + 2]
+        if text[i : i + 2].isalpha() and text[i : i + 2].isascii():
+            return text[i : i + 2]
     return ""
 
 
@@ -280,18 +315,27 @@ def _first_cut(run) -> tuple[int, str, str]:
 
 def test_stop_strings(client):
     def chat(seed, stop=None, stream=False):
-        r = client.chat.completions.create(model=NAME, messages=msgs("go on"), max_tokens=40, seed=seed, stop=stop,
-                                           stream=stream, extra_body=HOT_EXTRA, **HOT)
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=msgs("go on"),
+            max_tokens=40,
+            seed=seed,
+            stop=stop,
+            stream=stream,
+            extra_body=HOT_EXTRA,
+            **HOT,
+        )
         return stream_text(r)[:2] if stream else (r.choices[0].message.content, r.choices[0].finish_reason)
 
     def complete(seed, stop=None):
-        c = client.completions.create(model=NAME, prompt=RAW, max_tokens=40, seed=seed, stop=stop,
-                                      extra_body=HOT_EXTRA, **HOT).choices[0]
+        c = client.completions.create(
+            model=NAME, prompt=RAW, max_tokens=40, seed=seed, stop=stop, extra_body=HOT_EXTRA, **HOT
+        ).choices[0]
         return c.text, c.finish_reason
 
     for run in (chat, complete):
         seed, full, stop = _first_cut(run)
-        expected = (full[:full.index(stop)], "stop")
+        expected = (full[: full.index(stop)], "stop")
         assert run(seed, stop) == expected
         assert run(seed, ["never-emitted", stop]) == expected
         if run is chat:
@@ -329,8 +373,13 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, 400, "messages", None),
     (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages[0]", None),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "messages[0].content", None),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content",
+        None,
+    ),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
     (CHAT, {"messages": M, "temperature": "hot"}, 400, "temperature", None),
     (CHAT, {"messages": M, "stream": "yes"}, 400, "stream", None),
@@ -375,8 +424,11 @@ def assert_openai_error(r: httpx.Response, status: int, param=None, code=None) -
     return err
 
 
-@pytest.mark.parametrize("path,body,status,param,code", BAD_REQUESTS,
-                         ids=[f"{i}-{p.rsplit('/', 1)[1]}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path,body,status,param,code",
+    BAD_REQUESTS,
+    ids=[f"{i}-{p.rsplit('/', 1)[1]}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_requests(server, path, body, status, param, code):
     if isinstance(body, bytes):
         r = httpx.post(server.url + path, content=body, headers=AUTH, timeout=30)
@@ -392,8 +444,11 @@ def test_unknown_paths_methods_and_models(server):
     assert httpx.get(server.url + CHAT, headers=AUTH).status_code == 405
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
-                                     {"Authorization": KEY}], ids=["missing", "wrong", "basic", "no-scheme"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}],
+    ids=["missing", "wrong", "basic", "no-scheme"],
+)
 def test_api_key(server, headers):
     for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("POST", COMPLETIONS)):
         r = httpx.request(method, server.url + path, json={"messages": M, "prompt": "x"}, headers=headers)
@@ -407,11 +462,13 @@ def test_body_size_cap(server):
 
     def chunked():  # no Content-Length: the cap must hold while reading
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
+
     assert_openai_error(httpx.post(server.url + CHAT, content=chunked(), headers=AUTH), 413, code="request_too_large")
 
 
 # -- concurrency, disconnects, the queue ----------------------------------------------------------
+
 
 def _request(i: int) -> tuple[str, dict]:
     """Eight different requests, chat and completions, streamed and not, each with its own seed."""
@@ -427,7 +484,7 @@ async def _fetch(c: httpx.AsyncClient, path: str, body: dict) -> str:
     if not body["stream"]:
         choice = r.json()["choices"][0]
         return choice["message"]["content"] if path == CHAT else choice["text"]
-    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(x)["choices"] for x in lines[:-1]]
     return "".join(c[0]["delta"].get("content", "") if path == CHAT else c[0]["text"] for c in chunks if c)
@@ -452,13 +509,17 @@ def test_disconnect_mid_stream_cancels_and_leaves_the_model_consistent(server):
     # logprobs equal to a fresh run's within fp16 batch-vs-step noise.
     prompt = "Once"
     with httpx.Client(timeout=60) as c:
-        with c.stream("POST", server.url + COMPLETIONS, headers=AUTH,  # logprobs: one chunk per token
-                      json={"prompt": prompt, "max_tokens": 500, "temperature": 0, "logprobs": 0, "stream": True}) as r:
+        with c.stream(
+            "POST",
+            server.url + COMPLETIONS,
+            headers=AUTH,  # logprobs: one chunk per token
+            json={"prompt": prompt, "max_tokens": 500, "temperature": 0, "logprobs": 0, "stream": True},
+        ) as r:
             assert r.status_code == 200
             seen = []
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    seen.append(json.loads(line[len("data: "):]))
+                    seen.append(json.loads(line[len("data: ") :]))
                     if len(seen) == 3:
                         break
     rid = seen[0]["id"]
@@ -487,8 +548,9 @@ def test_full_queue_answers_429_and_recovers(server):
             rejected = []
             deadline = time.monotonic() + 30
             while len(rejected) < n - MAX_QUEUE - 1 and time.monotonic() < deadline:
-                done, _ = await asyncio.wait([t for t in tasks if not t.done()], timeout=1,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    [t for t in tasks if not t.done()], timeout=1, return_when=asyncio.FIRST_COMPLETED
+                )
                 rejected = [t.result() for t in tasks if t.done()]
             health = (await c.get("/health")).json()
             for t in tasks:  # hang up on the admitted ones: the server must cancel them all
@@ -510,15 +572,19 @@ def test_full_queue_answers_429_and_recovers(server):
 
 
 def test_serve_argument_errors_are_one_line(tmp_path):
-    for args, needle in (([str(tmp_path / "missing")], "not a bundle directory"),
-                         ([str(tmp_path), "--max-queue", "-1"], "max_queue"),
-                         ([str(tmp_path), "--port", "70000"], "port")):
-        r = subprocess.run([sys.executable, "-m", "gemma_ane.server", *args], capture_output=True, text=True,
-                           timeout=60)
+    for args, needle in (
+        ([str(tmp_path / "missing")], "not a bundle directory"),
+        ([str(tmp_path), "--max-queue", "-1"], "max_queue"),
+        ([str(tmp_path), "--port", "70000"], "port"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "gemma_ane.server", *args], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # -- in-process, with a scripted model ------------------------------------------------------------
+
 
 class FakeTokenizer:
     decoder = None
@@ -552,9 +618,16 @@ class FakeModel:
             yield ev
 
 
-THOUGHT = [Event(token=100), Event(token=11, reasoning="Let me think."), Event(token=12, reasoning=" Done."),
-           Event(token=101), Event(token=13, text="Hello"), Event(token=14, text=" world"), Event(token=106),
-           Event(finish_reason="stop")]
+THOUGHT = [
+    Event(token=100),
+    Event(token=11, reasoning="Let me think."),
+    Event(token=12, reasoning=" Done."),
+    Event(token=101),
+    Event(token=13, text="Hello"),
+    Event(token=14, text=" world"),
+    Event(token=106),
+    Event(finish_reason="stop"),
+]
 
 
 @pytest.fixture
@@ -592,15 +665,24 @@ def test_reasoning_on_the_message_and_in_stream_deltas(fake_client):
     model = FakeModel(THOUGHT)
     http, client = fake_client(model)
     with http:
-        r = client.chat.completions.create(model="fake", messages=M,
-                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        r = client.chat.completions.create(
+            model="fake", messages=M, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+        )
         msg = r.choices[0].message
-        assert (msg.content, msg.reasoning_content, r.choices[0].finish_reason) == \
-            ("Hello world", "Let me think. Done.", "stop")
+        assert (msg.content, msg.reasoning_content, r.choices[0].finish_reason) == (
+            "Hello world",
+            "Let me think. Done.",
+            "stop",
+        )
         assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 7
 
-        deltas = [c.choices[0].delta for c in client.chat.completions.create(
-            model="fake", messages=M, stream=True, extra_body={"enable_thinking": True}) if c.choices]
+        deltas = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(
+                model="fake", messages=M, stream=True, extra_body={"enable_thinking": True}
+            )
+            if c.choices
+        ]
         reasoning = [getattr(d, "reasoning_content", None) for d in deltas]
         content = [d.content for d in deltas]
         assert "".join(r for r in reasoning if r) == "Let me think. Done."

@@ -65,14 +65,17 @@ def test_transformers_saved_config_is_read(tiny_e2b):
     assert s.head_dims == tuple(hf.per_layer_config[i].head_dim for i in range(s.num_layers))
 
 
-@pytest.mark.parametrize("change", [
-    {},  # global_head_dim on the full layers
-    {"attention_k_eq_v": True, "num_global_key_value_heads": 2},  # K=V full layers take their own KV heads...
-    {"attention_k_eq_v": False, "num_global_key_value_heads": 2},  # ...which only apply with K=V
-    {"layer_types": None},  # the default 5:1 pattern
-    {"layer_types": ([SLIDING] * 4 + [FULL]) * 6 + [SLIDING] * 5},  # the last layer is forced to full
-    "per_layer_config",  # the form transformers writes, K=V heads included
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},  # global_head_dim on the full layers
+        {"attention_k_eq_v": True, "num_global_key_value_heads": 2},  # K=V full layers take their own KV heads...
+        {"attention_k_eq_v": False, "num_global_key_value_heads": 2},  # ...which only apply with K=V
+        {"layer_types": None},  # the default 5:1 pattern
+        {"layer_types": ([SLIDING] * 4 + [FULL]) * 6 + [SLIDING] * 5},  # the last layer is forced to full
+        "per_layer_config",  # the form transformers writes, K=V heads included
+    ],
+)
 def test_layer_shapes_match_transformers(e2b_config, change):
     text = copy.deepcopy(e2b_config["text_config"])
     if change == "per_layer_config":
@@ -87,33 +90,55 @@ def test_layer_shapes_match_transformers(e2b_config, change):
     assert list(zip(s.head_dims, s.kv_heads)) == [(c.head_dim, c.num_key_value_heads) for c in layers]
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("enable_moe_block", True, "enable_moe_block"),
-    ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
-    ("hidden_activation", "silu", "hidden_activation"),
-    ("hidden_size_per_layer_input", 0, "hidden_size_per_layer_input"),
-    ("hidden_size", "big", "hidden_size"),
-    ("layer_types", ["sliding_attention"] * 3, "layer_types"),
-    ("num_kv_shared_layers", 35, "num_kv_shared_layers"),
-    ("rope_parameters", {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type"),
-    ("num_key_value_heads", 3, "not a multiple of its 3 KV heads"),
-    ("layer_types", [[1]] * 35, "layer_types: unsupported attention type"),
-    ("eos_token_id", [None], "eos_token_id=None"),
-    ("final_logit_softcapping", "x", "final_logit_softcapping='x'"),
-    ("per_layer_config", {"04": {"head_dim": None}}, "per_layer_config\\['04'\\].head_dim"),
-    ("rope_parameters", {"sliding_attention": {"rope_theta": None}, "full_attention": {"rope_theta": 1e6}}, "rope_theta=None"),
-    ("rope_parameters", {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "proportional", "partial_rotary_factor": "x", "rope_theta": 1e6}}, "partial_rotary_factor='x'"),
-    ("rope_parameters", {SLIDING: {"rope_theta": 1e4, "factor": 8.0}, FULL: {"rope_theta": 1e6}}, "RoPE scaling"),
-    ("head_dim", 255, "layer 0: head_dim=255 must be even"),
-    ("per_layer_config", {"04": {"head_dim": 512}}, "full_attention have different head dims \\[256, 512\\]"),
-    ("per_layer_config", {"x": {}}, "key 'x' is not a layer index"),
-    ("per_layer_config", {"04": {"sliding_window": 4}}, "\\['04'\\].sliding_window: per-layer override"),
-    ("per_layer_config", {"34": {"num_key_value_heads": 2}}, "layer 34: .* head shape differs from its producer 14"),
-    ("layer_types", [SLIDING] * 35, "layer 34 \\(full_attention\\) is KV-shared but no earlier layer"),
-    ("vocab_size_per_layer_input", 1024, "must equal vocab_size=262144"),
-    ("tie_word_embeddings", False, "tie_word_embeddings=false"),
-    ("eos_token_id", [], "eos_token_id: empty"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("enable_moe_block", True, "enable_moe_block"),
+        ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
+        ("hidden_activation", "silu", "hidden_activation"),
+        ("hidden_size_per_layer_input", 0, "hidden_size_per_layer_input"),
+        ("hidden_size", "big", "hidden_size"),
+        ("layer_types", ["sliding_attention"] * 3, "layer_types"),
+        ("num_kv_shared_layers", 35, "num_kv_shared_layers"),
+        (
+            "rope_parameters",
+            {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_type": "yarn", "rope_theta": 1e6}},
+            "rope_type",
+        ),
+        ("num_key_value_heads", 3, "not a multiple of its 3 KV heads"),
+        ("layer_types", [[1]] * 35, "layer_types: unsupported attention type"),
+        ("eos_token_id", [None], "eos_token_id=None"),
+        ("final_logit_softcapping", "x", "final_logit_softcapping='x'"),
+        ("per_layer_config", {"04": {"head_dim": None}}, "per_layer_config\\['04'\\].head_dim"),
+        (
+            "rope_parameters",
+            {"sliding_attention": {"rope_theta": None}, "full_attention": {"rope_theta": 1e6}},
+            "rope_theta=None",
+        ),
+        (
+            "rope_parameters",
+            {
+                "sliding_attention": {"rope_theta": 1e4},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": "x", "rope_theta": 1e6},
+            },
+            "partial_rotary_factor='x'",
+        ),
+        ("rope_parameters", {SLIDING: {"rope_theta": 1e4, "factor": 8.0}, FULL: {"rope_theta": 1e6}}, "RoPE scaling"),
+        ("head_dim", 255, "layer 0: head_dim=255 must be even"),
+        ("per_layer_config", {"04": {"head_dim": 512}}, "full_attention have different head dims \\[256, 512\\]"),
+        ("per_layer_config", {"x": {}}, "key 'x' is not a layer index"),
+        ("per_layer_config", {"04": {"sliding_window": 4}}, "\\['04'\\].sliding_window: per-layer override"),
+        (
+            "per_layer_config",
+            {"34": {"num_key_value_heads": 2}},
+            "layer 34: .* head shape differs from its producer 14",
+        ),
+        ("layer_types", [SLIDING] * 35, "layer 34 \\(full_attention\\) is KV-shared but no earlier layer"),
+        ("vocab_size_per_layer_input", 1024, "must equal vocab_size=262144"),
+        ("tie_word_embeddings", False, "tie_word_embeddings=false"),
+        ("eos_token_id", [], "eos_token_id: empty"),
+    ],
+)
 def test_unsupported_configs_name_the_field(e2b_config, field, value, needle):
     cfg = copy.deepcopy(e2b_config)
     cfg["text_config"][field] = value
@@ -142,6 +167,7 @@ def test_attention_k_eq_v_is_supported(e2b_config):
 
 # -- the chunk plan ---------------------------------------------------------------------------
 
+
 def io(plan, chunk, fn):
     return plan.to_json()["chunks"][chunk]["functions"][fn]
 
@@ -161,26 +187,47 @@ def test_e2b_plan_is_the_seed_contract(e2b_config):
     assert set(c1["functions"]) == set(c2["functions"]) == {"infer", "prefill_b8"}
     for fn, T in (("infer", 1), ("prefill_b8", 8)):
         host = {
-            "hidden_states": t((1, T, 1536)), "causal_mask_full": t((1, 1, T, 2048)),
+            "hidden_states": t((1, T, 1536)),
+            "causal_mask_full": t((1, 1, T, 2048)),
             "causal_mask_sliding": t((1, 1, T, 512)),
         }
-        rope = {"cos_s": t((1, 1, T, 256)), "sin_s": t((1, 1, T, 256)),
-                "cos_f": t((1, 1, T, 512)), "sin_f": t((1, 1, T, 512))}
+        rope = {
+            "cos_s": t((1, 1, T, 256)),
+            "sin_s": t((1, 1, T, 256)),
+            "cos_f": t((1, 1, T, 512)),
+            "sin_f": t((1, 1, T, 512)),
+        }
         pos = {"current_pos": t((1,), "int32"), "ring_pos": t((1,), "int32")}
         assert io(plan, 0, fn)["inputs"] == {**host, "per_layer_raw": t((1, T, 8960)), **rope, **pos}
-        assert io(plan, 0, fn)["outputs"] == {"hidden_states_out": t((1, T, 1536)),
-                                              "per_layer_combined_out": t((1, T, 8960))}
+        assert io(plan, 0, fn)["outputs"] == {
+            "hidden_states_out": t((1, T, 1536)),
+            "per_layer_combined_out": t((1, T, 8960)),
+        }
         assert io(plan, 1, fn)["inputs"] == {**host, "per_layer_combined": t((1, T, 8960)), **rope, **pos}
         assert io(plan, 1, fn)["outputs"] == {
             "hidden_states_out": t((1, T, 1536)),
-            "kv13_k": t((1, 1, 512, 256)), "kv13_v": t((1, 1, 512, 256)),
-            "kv14_k": t((1, 1, 2048, 512)), "kv14_v": t((1, 1, 2048, 512)),
+            "kv13_k": t((1, 1, 512, 256)),
+            "kv13_v": t((1, 1, 512, 256)),
+            "kv14_k": t((1, 1, 2048, 512)),
+            "kv14_v": t((1, 1, 2048, 512)),
         }
-    host1 = {"hidden_states": t((1, 1, 1536)), "causal_mask_full": t((1, 1, 1, 2048)),
-             "causal_mask_sliding": t((1, 1, 1, 512)), "per_layer_combined": t((1, 1, 8960)),
-             "cos_s": t((1, 1, 1, 256)), "sin_s": t((1, 1, 1, 256)), "cos_f": t((1, 1, 1, 512)), "sin_f": t((1, 1, 1, 512))}
-    assert io(plan, 2, "infer")["inputs"] == {**host1, "kv13_k": t((1, 1, 512, 256)), "kv13_v": t((1, 1, 512, 256)),
-                                              "kv14_k": t((1, 1, 2048, 512)), "kv14_v": t((1, 1, 2048, 512))}
+    host1 = {
+        "hidden_states": t((1, 1, 1536)),
+        "causal_mask_full": t((1, 1, 1, 2048)),
+        "causal_mask_sliding": t((1, 1, 1, 512)),
+        "per_layer_combined": t((1, 1, 8960)),
+        "cos_s": t((1, 1, 1, 256)),
+        "sin_s": t((1, 1, 1, 256)),
+        "cos_f": t((1, 1, 1, 512)),
+        "sin_f": t((1, 1, 1, 512)),
+    }
+    assert io(plan, 2, "infer")["inputs"] == {
+        **host1,
+        "kv13_k": t((1, 1, 512, 256)),
+        "kv13_v": t((1, 1, 512, 256)),
+        "kv14_k": t((1, 1, 2048, 512)),
+        "kv14_v": t((1, 1, 2048, 512)),
+    }
     assert io(plan, 2, "infer")["outputs"] == {"logits": t((1, 1, 262144))}
 
 
@@ -217,16 +264,28 @@ def test_e2b_kv_only_prefill_and_argmax_head(e2b_config):
     stateful = ["infer", "prefill_b8", "prefill_kv_b16", "prefill_kv_b8"]
     assert [list(c.functions) for c in plan.chunks] == [stateful, stateful, ["infer"]]
     own = 15 * 256  # PLE of the 15 cache-owning layers only
-    rope = {"cos_s": t((1, 1, 16, 256)), "sin_s": t((1, 1, 16, 256)),
-            "cos_f": t((1, 1, 16, 512)), "sin_f": t((1, 1, 16, 512))}
-    host = {"hidden_states": t((1, 16, 1536)), "causal_mask_full": t((1, 1, 16, 2048)),
-            "causal_mask_sliding": t((1, 1, 16, 512 + 16)),  # [ring as it was | the batch]
-            **rope, "current_pos": t((1,), "int32"), "ring_pos": t((1,), "int32")}
-    assert io(plan, 0, "prefill_kv_b16") == {"inputs": {**host, "per_layer_raw": t((1, 16, own))},
-                                             "outputs": {"hidden_states_out": t((1, 16, 1536)),
-                                                         "per_layer_combined_out": t((1, 16, own))}}
-    assert io(plan, 1, "prefill_kv_b16") == {"inputs": {**host, "per_layer_combined": t((1, 16, own))},
-                                             "outputs": {"hidden_states_out": t((1, 16, 1536))}}
+    rope = {
+        "cos_s": t((1, 1, 16, 256)),
+        "sin_s": t((1, 1, 16, 256)),
+        "cos_f": t((1, 1, 16, 512)),
+        "sin_f": t((1, 1, 16, 512)),
+    }
+    host = {
+        "hidden_states": t((1, 16, 1536)),
+        "causal_mask_full": t((1, 1, 16, 2048)),
+        "causal_mask_sliding": t((1, 1, 16, 512 + 16)),  # [ring as it was | the batch]
+        **rope,
+        "current_pos": t((1,), "int32"),
+        "ring_pos": t((1,), "int32"),
+    }
+    assert io(plan, 0, "prefill_kv_b16") == {
+        "inputs": {**host, "per_layer_raw": t((1, 16, own))},
+        "outputs": {"hidden_states_out": t((1, 16, 1536)), "per_layer_combined_out": t((1, 16, own))},
+    }
+    assert io(plan, 1, "prefill_kv_b16") == {
+        "inputs": {**host, "per_layer_combined": t((1, 16, own))},
+        "outputs": {"hidden_states_out": t((1, 16, 1536))},
+    }
     assert plan.chunks[1].functions["prefill_kv_b16"]["kv_only"] and "kv_only" not in plan.chunks[1].functions["infer"]
     assert io(plan, 2, "infer")["outputs"] == {"token_id": t((1,), "int32"), "token_logit": t((1,))}
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = r'''
+SCRIPT = r"""
 import sys, importlib.abc
 
 class Block(importlib.abc.MetaPathFinder):
@@ -24,7 +24,7 @@ banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
           or m in ("gemma_ane.graph", "gemma_ane.convert", "gemma_ane.verify", "gemma_ane.tiny")]
 assert not banned, banned
 print("OK")
-'''
+"""
 
 
 def test_runtime_and_executor_stand_alone(tiny_bundle16):
@@ -35,8 +35,20 @@ def test_runtime_and_executor_stand_alone(tiny_bundle16):
 # -- the same walls, read off the source: every import, at module level or inside a function --------
 
 PACKAGE = Path(__file__).parent.parent / "gemma_ane"
-RUNTIME = {"backend", "bundle", "chat", "engine", "files", "host", "mil", "package", "runtime", "sampling", "server",
-           "tokens"}
+RUNTIME = {
+    "backend",
+    "bundle",
+    "chat",
+    "engine",
+    "files",
+    "host",
+    "mil",
+    "package",
+    "runtime",
+    "sampling",
+    "server",
+    "tokens",
+}
 CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files"}
 
 
@@ -57,7 +69,9 @@ def imports(module: str) -> set[str]:
 
 def test_runtime_side_never_imports_torch_transformers_or_the_converter():
     for module in RUNTIME:
-        banned = imports(module) & ({"torch", "transformers", "safetensors"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE})
+        banned = imports(module) & (
+            {"torch", "transformers", "safetensors"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE}
+        )
         assert not banned, f"{module}.py imports {sorted(banned)}"
 
 
