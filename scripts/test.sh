@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (the machine CI runs on has two cores); a test file stays on one worker, so its
+# module fixtures are built once, and the shared bundles are converted once for both (conftest.py).
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

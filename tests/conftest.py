@@ -1,15 +1,17 @@
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Fixtures that convert a bundle (each conversion costs 30-60 s): every test that uses one, directly
 # or through another fixture, is slow; so are tests marked by hand (a conversion of their own, or a
 # long oracle run). `pytest -m "not slow"` is the fast loop; CI runs everything.
-CONVERTING = {"tiny_bundle16", "tiny_bundle4", "bundle", "bundle16", "bundle4", "gqa16"}
+CONVERTING = {"tiny_bundle16", "tiny_bundle4", "tiny_published", "bundle", "bundle16", "bundle4", "gqa16"}
 
 
 def pytest_collection_modifyitems(items):
@@ -24,10 +26,27 @@ def e2b_config() -> dict:
     return json.loads((FIXTURES / "e2b_config.json").read_text())
 
 
+def built_once(factory, name: str, build) -> Path:
+    """`build(dir)` once per test run; returns `dir`. Under pytest-xdist (scripts/test.sh runs two
+    workers) each worker has its own session, so the first to get here builds into the run's
+    shared temporary directory and the others wait for it: a bundle is converted once, not twice."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    out, done = base / name, base / f"{name}.done"
+    with FileLock(f"{out}.lock"):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 def _tiny(factory, name, **kw):
     from gemma_ane.tiny import write_tiny
 
-    return write_tiny(factory.mktemp(name) / "ckpt", **kw)
+    return built_once(factory, name, lambda d: write_tiny(d / "ckpt", **kw)) / "ckpt"
 
 
 @pytest.fixture(scope="session")
@@ -60,25 +79,38 @@ def copy_ckpt(tmp_path):
 # bundle work on a copy.
 
 
+def _convert(src: Path, out: Path, **options) -> None:
+    """Convert into `out`, and keep the stage timings beside it (for test_convert)."""
+    from gemma_ane.convert import ConvertOptions, convert
+
+    seconds = convert(str(src), str(out), ConvertOptions(context=128, **options), progress=False)
+    (out.parent / "seconds.json").write_text(json.dumps(seconds))
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
     """Written over a stale OUT with force=True: that conversion is needed anyway, so it doubles
     as the `--force` replacement check (test_convert)."""
-    from gemma_ane.convert import ConvertOptions, convert
 
-    out = tmp_path_factory.mktemp("bundle16") / "bundle"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an older conversion")
-    seconds = convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, force=True), progress=False)
-    (out.parent / "seconds.json").write_text(json.dumps(seconds))  # the stage timings, for test_convert
-    return out
+    def build(d: Path):
+        (d / "bundle").mkdir()
+        (d / "bundle" / "stale.txt").write_text("from an older conversion")
+        _convert(tiny_e2b, d / "bundle", bits=16, force=True)
+
+    return built_once(tmp_path_factory, "bundle16", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
 def tiny_bundle4(tiny_e2b, tmp_path_factory) -> Path:
-    from gemma_ane.convert import ConvertOptions, convert
+    return built_once(tmp_path_factory, "bundle4", lambda d: _convert(tiny_e2b, d / "bundle", bits=4)) / "bundle"
 
-    out = tmp_path_factory.mktemp("bundle4") / "bundle"
-    seconds = convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=4), progress=False)
-    (out.parent / "seconds.json").write_text(json.dumps(seconds))  # the stage timings, for test_convert
-    return out
+
+@pytest.fixture(scope="session")
+def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
+    """The published layout (argmax head, no KV-only prefill, no manifest) at the 16-bit bundle's options."""
+    return (
+        built_once(
+            tmp_path_factory, "published", lambda d: _convert(tiny_e2b, d / "bundle", bits=16, layout="published")
+        )
+        / "bundle"
+    )

@@ -1,8 +1,14 @@
 """The benchmark scripts' --quick modes, so they cannot rot (the real runs are not CI's job)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -39,13 +45,6 @@ def test_server_load_quick(tiny_bundle16):
 
 
 # -- the full-size pipeline at toy widths: checkpoint -> convert -> cost model -> executor vs HF ----
-
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
 
 def script(name, *args, check=True):

@@ -8,19 +8,14 @@ import pytest
 
 import gemma_ane
 from gemma_ane.bundle import BundleError
-from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.host import rotated_pairs
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
 
 @pytest.fixture(scope="module")
-def bundles(tiny_e2b, tiny_bundle16, tmp_path_factory):
-    root = tmp_path_factory.mktemp("published")
-    convert(
-        str(tiny_e2b), str(root / "published"), ConvertOptions(context=128, bits=16, layout="published"), progress=False
-    )
-    return root / "published", tiny_bundle16
+def bundles(tiny_published, tiny_bundle16):
+    return tiny_published, tiny_bundle16
 
 
 def test_layout_is_the_published_one(bundles):

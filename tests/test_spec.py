@@ -176,7 +176,7 @@ def t(shape, dtype="float16"):
     return {"shape": list(shape), "dtype": dtype}
 
 
-def test_e2b_plan_is_the_seed_contract(e2b_config):
+def test_e2b_plan_is_the_published_layout(e2b_config):
     plan = ChunkPlan.build(ModelSpec.from_config(e2b_config))
     j = plan.to_json()
     assert [c["layers"] for c in j["chunks"]] == [list(range(0, 8)), list(range(8, 25)), list(range(25, 35))]
