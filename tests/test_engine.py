@@ -111,3 +111,19 @@ def test_a_failed_step_resets_the_caches():
         engine.feed([5, 6])
     chunk2.outputs = outputs
     assert engine.position == 0 and engine.tokens == [] and engine.history == []
+
+
+# -- the backend contract ---------------------------------------------------------------------------
+
+
+def test_every_backend_meets_the_chunk_backend_contract():
+    """Core ML, the MIL executor and the PyTorch graph present the same methods as ChunkBackend."""
+    import inspect
+
+    from gemma_ane.backend import ChunkBackend, CoreMLBackend, MILBackend
+    from gemma_ane.graph import TorchChunk
+
+    for name in ("make_state", "predict"):
+        want = list(inspect.signature(getattr(ChunkBackend, name)).parameters)
+        for backend in (CoreMLBackend, MILBackend, TorchChunk):
+            assert list(inspect.signature(getattr(backend, name)).parameters) == want, (backend.__name__, name)

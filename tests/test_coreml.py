@@ -1,0 +1,243 @@
+"""The Core ML path without a Mac: coremltools' own Python front-end (MLModel, CompiledMLModel,
+MLState, compile_model) over `coreml_standin`, a test-only stand-in for its native layer that runs
+the programs on our MIL executor. What this proves: our Core ML backend drives coremltools' real
+API correctly and gets the executor's results through it. What it cannot prove: Core ML's own
+compilation, rounding or speed on a device.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import coremltools as ct
+import numpy as np
+import pytest
+from coreml_standin import install
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import types
+from coremltools.models.model import MLState
+
+import gemma_ane
+from gemma_ane.backend import BackendError, CoreMLBackend, pick_backend
+from gemma_ane.host import full_mask, sliding_mask
+from gemma_ane.mil import MILPackage
+from gemma_ane.package import Package
+
+FP16 = types.fp16
+
+
+@pytest.fixture
+def standin():
+    with install() as s:
+        yield s
+
+
+# -- the stand-in itself, on a two-function stateful package (fast) ------------------------------
+
+
+def accumulator(times: float):
+    @mb.program(
+        input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
+        opset_version=ct.target.iOS18,
+    )
+    def prog(acc, x):
+        total = mb.add(x=mb.read_state(input=acc), y=mb.mul(x=x, y=np.float16(times)))
+        mb.coreml_update_state(state=acc, value=total)
+        return mb.mul(x=total, y=np.float16(1), name="total")
+
+    return prog
+
+
+@pytest.fixture(scope="module")
+def adder(tmp_path_factory):
+    """adder.mlpackage: `add` (default; acc += x) and `twice` (acc += 2x), sharing the state `acc`."""
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    root = tmp_path_factory.mktemp("adder")
+    desc = MultiFunctionDescriptor()
+    for name, times in (("add", 1), ("twice", 2)):
+        model = ct.convert(
+            accumulator(times),
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=ct.precision.FLOAT16,
+            skip_model_load=True,
+        )
+        model.save(str(root / f"{name}.mlpackage"))
+        desc.add_function(str(root / f"{name}.mlpackage"), src_function_name="main", target_function_name=name)
+    desc.default_function_name = "add"
+    save_multifunction(desc, str(root / "adder.mlpackage"))
+    return root / "adder.mlpackage"
+
+
+X = np.array([[1, 2, 3, 4]], np.float16)
+
+
+def test_mlmodel_runs_every_function_on_one_state(adder, standin):
+    add = ct.models.MLModel(str(adder))  # no function_name: the package's default
+    twice = ct.models.MLModel(str(adder), compute_units=ct.ComputeUnit.CPU_AND_NE, function_name="twice")
+    assert (add.function_name, twice.function_name) == ("add", "twice")
+    assert (str(adder), "CPU_AND_NE", "twice") in standin.loads
+    state = add.make_state()
+    assert isinstance(state, MLState)
+    out = add.predict({"x": X}, state=state)
+    assert list(out) == ["total"] and out["total"].dtype == np.float32  # Core ML widens fp16 outputs
+    np.testing.assert_array_equal(out["total"], X)
+    np.testing.assert_array_equal(twice.predict({"x": X}, state=state)["total"], 3 * X)
+    np.testing.assert_array_equal(add.predict({"x": X}, state=state)["total"], 4 * X)
+    np.testing.assert_array_equal(state.read_state("acc"), 4 * X)
+    np.testing.assert_array_equal(twice.predict({"x": X}, state=twice.make_state())["total"], 2 * X)  # fresh: zero
+    state.write_state("acc", np.full((1, 4), 10, np.float32))
+    np.testing.assert_array_equal(add.predict({"x": X}, state=state)["total"], 10 + X)
+
+
+def test_compile_model_and_compiled_mlmodel_round_trip(adder, standin, tmp_path):
+    dest = tmp_path / "adder.mlmodelc"
+    assert ct.utils.compile_model(str(adder), str(dest)) == str(dest)
+    assert "func add(x: float16[1, 4], acc: float16[1, 4]) -> (total)" in (dest / "model.mil").read_text()
+    add = ct.models.CompiledMLModel(str(dest), ct.ComputeUnit.CPU_ONLY, function_name="add")
+    twice = ct.models.CompiledMLModel(str(dest), ct.ComputeUnit.CPU_ONLY, function_name="twice")
+    state = twice.make_state()  # one function's state serves the other
+    np.testing.assert_array_equal(twice.predict({"x": X}, state=state)["total"], 2 * X)
+    np.testing.assert_array_equal(add.predict({"x": X}, state=state)["total"], 3 * X)
+    # the compiled model an MLModel holds, and an asset from a path, load the same way
+    held = ct.models.MLModel(str(adder), function_name="twice").get_compiled_model_path()
+    again = ct.models.CompiledMLModel(held, function_name="twice")
+    np.testing.assert_array_equal(again.predict({"x": X}, state=again.make_state())["total"], 2 * X)
+    asset = ct.models.model.MLModelAsset(ct.models.model.MLModelAsset.from_path(str(dest)))
+    from_asset = ct.models.CompiledMLModel.from_asset(asset, function_name="add")
+    np.testing.assert_array_equal(from_asset.predict({"x": X}, state=from_asset.make_state())["total"], X)
+
+
+def test_standin_refuses_what_core_ml_refuses(adder, standin, tmp_path):
+    dest = ct.utils.compile_model(str(adder), str(tmp_path / "adder.mlmodelc"))
+    with pytest.raises(RuntimeError, match="no function 'nope' in the model"):
+        ct.models.CompiledMLModel(dest, function_name="nope")
+    with pytest.warns(RuntimeWarning, match="no function 'nope'"), pytest.raises(ValueError, match="nope not found"):
+        ct.models.MLModel(str(adder), function_name="nope")  # coremltools' own check, after the native load failed
+    (tmp_path / "apple.mlmodelc").mkdir()
+    with pytest.raises(RuntimeError, match="not a compiled model this stand-in made"):
+        ct.models.CompiledMLModel(str(tmp_path / "apple.mlmodelc"))
+    add = ct.models.CompiledMLModel(dest)
+    state = add.make_state()
+    with pytest.raises(RuntimeError, match="'x' is required"):
+        add.predict({}, state=state)
+    with pytest.raises(RuntimeError, match="stateful"):
+        add.predict({"x": X})
+    with pytest.raises(RuntimeError, match=r"'x': expects \(1, 4\) float16, got \(1, 3\)"):
+        add.predict({"x": X[:, :3]}, state=state)
+    with pytest.raises(RuntimeError, match="value type not convertible"):
+        state.write_state("acc", X)  # MLState.write_state hands fp16 to the bridge, which takes no fp16
+    with pytest.raises(RuntimeError, match="no state named 'kv'"):
+        state.read_state("kv")
+    other = ct.models.CompiledMLModel(ct.utils.compile_model(str(adder), str(tmp_path / "other.mlmodelc")))
+    with pytest.raises(RuntimeError, match="another model package"):
+        add.predict({"x": X}, state=other.make_state())
+    standin.refuse.add("twice")  # an ANE compile failure: the Neural Engine refuses, the CPU does not
+    with pytest.raises(RuntimeError, match="'twice': ANECCompile"):
+        ct.models.CompiledMLModel(dest, ct.ComputeUnit.CPU_AND_NE, function_name="twice")
+    ct.models.CompiledMLModel(dest, ct.ComputeUnit.CPU_ONLY, function_name="twice")
+
+
+def test_coreml_backend_through_coremltools(adder, standin, capsys):
+    assert pick_backend("auto") == "coreml"
+    assert "Core ML" in capsys.readouterr().err
+    chunk = CoreMLBackend(adder, compute_units="cpu_only")
+    assert list(chunk.interfaces) == ["add", "twice"]
+    assert all(isinstance(m, ct.models.MLModel) for m in chunk.models.values())
+    assert {(f, u) for _, u, f in standin.loads} == {("add", "CPU_ONLY"), ("twice", "CPU_ONLY")}
+    state = chunk.make_state()
+    np.testing.assert_array_equal(chunk.predict("twice", {"x": X.astype(np.float64)}, state)["total"], 2 * X)
+    np.testing.assert_array_equal(chunk.predict("add", {"x": X}, state)["total"], 3 * X)
+    with pytest.raises(BackendError, match="adder: no function 'prefill_b8' \\(has add, twice\\)"):
+        chunk.predict("prefill_b8", {"x": X}, state)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
+def test_without_the_standin_this_is_linux_again(adder):
+    with install():
+        pass
+    assert "coremltools.libcoremlpython" not in sys.modules
+    with pytest.raises(BackendError, match="needs macOS"):
+        pick_backend("coreml")
+    with pytest.raises(Exception, match="only supported on macOS 15"):
+        ct.models.MLModel(str(adder)).make_state()
+
+
+# -- our chunks through coremltools (slow: a converted bundle) -----------------------------------
+
+
+def chunk_inputs(bundle, interface: dict, p0: int, rng) -> dict:
+    """chunk_1's inputs at position p0, as the engine builds them (random hidden states)."""
+    full, sliding = (interface[k]["shape"][-1] for k in ("causal_mask_full", "causal_mask_sliding"))
+    T = interface["hidden_states"]["shape"][1]
+    tables = {f"{t}_{k[0]}": np.load(bundle / f"{t}_{k}.npy") for t in ("cos", "sin") for k in ("full", "sliding")}
+    x = {
+        "hidden_states": rng.standard_normal(interface["hidden_states"]["shape"]),
+        "per_layer_raw": rng.standard_normal(interface["per_layer_raw"]["shape"]),
+        "causal_mask_full": full_mask(p0, T, full, np.float32),
+        "causal_mask_sliding": sliding_mask(p0, T, sliding, np.float32),
+        "current_pos": np.array([p0], np.int32),
+        "ring_pos": np.array([p0 % sliding], np.int32),
+        **{k: v[p0 : p0 + T][None, None] for k, v in tables.items()},
+    }
+    assert set(x) == set(interface), "chunk_1's inputs changed: update chunk_inputs"
+    return {k: v.astype(interface[k]["dtype"]) for k, v in x.items()}
+
+
+# infer, a batch, then infer again: one state through both functions, past the 16-slot ring
+SEQUENCE = (("infer", 0), ("prefill_b8", 1), ("infer", 9), ("infer", 17))
+
+
+def run_sequence(models: dict, state, bundle) -> list[dict]:
+    rng, package = np.random.default_rng(0), Package.open(bundle / "chunk_1.mlpackage")
+    outs = []
+    for function, p0 in SEQUENCE:
+        x = chunk_inputs(bundle, package.interface(function)["inputs"], p0, rng)
+        outs.append(models[function].predict(x, state=state))
+    return outs
+
+
+def assert_same_as_executor(bundle, models: dict, make_state, read_state):
+    mil = MILPackage(bundle / "chunk_1.mlpackage")
+    want_state, state = mil.make_state(), make_state()
+    want = run_sequence(mil.functions, want_state, bundle)
+    got = run_sequence(models, state, bundle)
+    for (function, p0), w, g in zip(SEQUENCE, want, got):
+        assert set(g) == set(w), function
+        for name in w:
+            assert g[name].dtype == np.float32, name
+            np.testing.assert_array_equal(g[name], w[name].astype(np.float32), err_msg=f"{function}@{p0} {name}")
+    for name, a in want_state.arrays.items():
+        np.testing.assert_array_equal(read_state(state, name), a.astype(np.float32), err_msg=name)
+    assert any(np.any(a) for a in want_state.arrays.values())  # the caches were written
+
+
+def test_mlmodel_over_a_chunk_equals_the_executor(tiny_bundle16, standin):
+    path = str(tiny_bundle16 / "chunk_1.mlpackage")
+    units = ct.ComputeUnit.CPU_AND_NE
+    models = {f: ct.models.MLModel(path, compute_units=units, function_name=f) for f in ("infer", "prefill_b8")}
+    assert_same_as_executor(tiny_bundle16, models, models["infer"].make_state, MLState.read_state)
+
+
+def test_compiled_chunk_equals_the_executor(tiny_bundle16, standin, tmp_path):
+    dest = ct.utils.compile_model(str(tiny_bundle16 / "chunk_1.mlpackage"), str(tmp_path / "chunk_1.mlmodelc"))
+    assert "func prefill_b8(" in (tmp_path / "chunk_1.mlmodelc" / "model.mil").read_text()
+    units = ct.ComputeUnit.CPU_AND_NE
+    models = {f: ct.models.CompiledMLModel(dest, units, function_name=f) for f in ("infer", "prefill_b8")}
+    assert_same_as_executor(tiny_bundle16, models, models["prefill_b8"].make_state, MLState.read_state)
+    with pytest.raises(RuntimeError, match="no function 'prefill_b9'"):
+        ct.models.CompiledMLModel(dest, units, function_name="prefill_b9")
+
+
+def test_generate_through_coreml_equals_the_mil_backend(tiny_bundle16, standin):
+    kw = dict(raw=True, temperature=0, max_tokens=24)
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away"
+    mil = gemma_ane.load(tiny_bundle16, backend="mil").generate(prompt, **kw)
+    model = gemma_ane.load(tiny_bundle16, backend="coreml")
+    assert model.backend == "coreml" and all(isinstance(c, CoreMLBackend) for c in model.engine.chunks)
+    coreml = model.generate(prompt, **kw)
+    assert coreml.tokens == mil.tokens and len(mil.tokens) == 24
+    assert model.engine.position > 16  # past the sliding window: the ring wrapped
+    assert {f for _, f, _ in model.engine.history} >= {"infer", "prefill_kv_b8"}
+    assert {f for _, _, f in standin.loads} >= {"infer", "prefill_b8", "prefill_kv_b8"}
