@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .bundle import BundleError
+from .files import read_json
 from .package import Package
 
 # An interface: {"inputs": {...}, "outputs": {...}, "states": {...}}, each name -> {"shape": [..], "dtype": "float16"}
@@ -93,8 +94,16 @@ class CoreMLBackend:
         self.name = path.name.split(".")[0]
         self.interfaces = read_interfaces(path)
         units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
-        opener = ct.models.CompiledMLModel if path.suffix == ".mlmodelc" else ct.models.MLModel
-        self.models = {f: opener(str(path), compute_units=units, function_name=f) for f in self.interfaces}
+        compiled, self.source = str(path), None
+        if path.suffix == ".mlpackage":
+            # Opening an .mlpackage compiles it. Compile once, then open every function from that
+            # one compiled model (it lives as long as `source`), so they share one state as they do
+            # in Core ML's multifunction models, and the package is not compiled once per function.
+            self.source = ct.models.MLModel(str(path), compute_units=units, function_name=next(iter(self.interfaces)))
+            compiled = self.source.get_compiled_model_path()
+        self.models = {
+            f: ct.models.CompiledMLModel(compiled, compute_units=units, function_name=f) for f in self.interfaces
+        }
 
     def make_state(self):
         first = next(iter(self.interfaces))
@@ -107,15 +116,54 @@ class CoreMLBackend:
 
 
 def read_interfaces(path: Path) -> dict[str, Interface]:
-    """Every function's interface, from the package's own model description, default first."""
+    """Every function's interface, default first, from the package's own model description. A
+    compiled .mlmodelc cannot be read back, so its interfaces come from what the bundle states."""
     path = Path(path)
     if path.suffix == ".mlmodelc":
-        raise BackendError(
-            f"{path}: reading a compiled model's interface is not supported; use the .mlpackage (convert --no-compile)"
-        )
+        return stated_interfaces(path)
     package = Package.open(path)
     names = [package.default_function] + [f for f in package.function_names if f != package.default_function]
     return {f: package.interface(f) for f in names}
+
+
+def stated_interfaces(path: Path) -> dict[str, Interface]:
+    """A compiled chunk's interfaces as its bundle states them (CONTRACT §2-3): the plan recorded in
+    manifest.json at conversion, or, for the published layout (no manifest), the plan its configs imply."""
+    root, name = path.parent, path.name.split(".")[0]
+    if (root / "manifest.json").is_file():
+        chunks = read_json(root / "manifest.json").get("plan", {}).get("chunks", [])
+        where = "manifest.json plan"
+    else:
+        chunks = published_plan(root).to_json()["chunks"]
+        where = "the published layout's plan (hf_model/config.json, model_config.json)"
+    chunk = next((c for c in chunks if isinstance(c, dict) and c.get("name") == name), None)
+    if chunk is None or not isinstance(chunk.get("functions"), dict) or "infer" not in chunk["functions"]:
+        raise BackendError(f"{path}: {where} states no interface with an infer function for {name}")
+    states = chunk.get("states", {})
+    return {
+        f: {"inputs": io["inputs"], "outputs": io["outputs"], "states": states} for f, io in chunk["functions"].items()
+    }
+
+
+def published_plan(root: Path):
+    """The chunk plan of a published-layout bundle: its model config's context, the default split
+    and prefill batch, the argmax head, no KV-only prefill."""
+    from .spec import ChunkPlan, ConfigError, ModelSpec
+
+    try:
+        spec = ModelSpec.from_pretrained(root / "hf_model" / "config.json")
+        config = read_json(root / "model_config.json")
+        split = tuple(config["split"]) if "split" in config else None
+        return ChunkPlan.build(
+            spec,
+            int(config["context_length"]),
+            int(config.get("prefill_batch", 8)),
+            split,
+            head=config.get("head", "token_id"),
+            kv_batches=(),
+        )
+    except (ConfigError, KeyError, TypeError, ValueError, OSError) as e:
+        raise BackendError(f"{root}: cannot derive the compiled chunks' interfaces ({e})") from None
 
 
 def pick_backend(backend: str) -> str:

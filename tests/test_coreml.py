@@ -144,8 +144,10 @@ def test_coreml_backend_through_coremltools(adder, standin, capsys):
     assert "Core ML" in capsys.readouterr().err
     chunk = CoreMLBackend(adder, compute_units="cpu_only")
     assert list(chunk.interfaces) == ["add", "twice"]
-    assert all(isinstance(m, ct.models.MLModel) for m in chunk.models.values())
-    assert {(f, u) for _, u, f in standin.loads} == {("add", "CPU_ONLY"), ("twice", "CPU_ONLY")}
+    # the package is compiled once; every function opens that one compiled model
+    assert all(isinstance(m, ct.models.CompiledMLModel) for m in chunk.models.values())
+    assert [p.endswith(".mlmodelc") for p, _, _ in standin.loads] == [False, True, True]
+    assert [(f, u) for _, u, f in standin.loads[1:]] == [("add", "CPU_ONLY"), ("twice", "CPU_ONLY")]
     state = chunk.make_state()
     np.testing.assert_array_equal(chunk.predict("twice", {"x": X.astype(np.float64)}, state)["total"], 2 * X)
     np.testing.assert_array_equal(chunk.predict("add", {"x": X}, state)["total"], 3 * X)
@@ -241,3 +243,65 @@ def test_generate_through_coreml_equals_the_mil_backend(tiny_bundle16, standin):
     assert model.engine.position > 16  # past the sliding window: the ring wrapped
     assert {f for _, f, _ in model.engine.history} >= {"infer", "prefill_kv_b8"}
     assert {f for _, _, f in standin.loads} >= {"infer", "prefill_b8", "prefill_kv_b8"}
+
+
+# -- compiled bundles: interfaces from what the bundle states ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_bundle(tiny_e2b, tmp_path_factory):
+    """`convert` as on a Mac: the default compiles every chunk (through the stand-in's compileModel)."""
+    from gemma_ane.convert import ConvertOptions, convert
+
+    out = tmp_path_factory.mktemp("compiled") / "bundle"
+    with install():
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16), progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_a_compiled_bundle_generates_as_the_package_bundle(compiled_bundle, tiny_bundle16, standin, capsys):
+    from gemma_ane.bundle import check_bundle
+
+    assert sorted(p.name for p in compiled_bundle.glob("chunk_*")) == [f"chunk_{i}.mlmodelc" for i in (1, 2, 3)]
+    assert check_bundle(compiled_bundle) == []
+    kw = dict(raw=True, temperature=0, max_tokens=24)
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away"
+    want = gemma_ane.load(tiny_bundle16, backend="mil").generate(prompt, **kw).tokens
+    model = gemma_ane.load(compiled_bundle)  # auto: Core ML, as on a Mac
+    assert model.backend == "coreml" and "Core ML" in capsys.readouterr().err
+    assert model.generate(prompt, **kw).tokens == want
+    assert list(model.engine.chunks[0].interfaces) == ["infer", "prefill_b8", "prefill_kv_b8"]
+
+
+@pytest.mark.slow
+def test_a_compiled_published_bundle_runs_on_its_configs(tiny_published, standin, tmp_path):
+    """The published layout ships .mlmodelc chunks and no manifest: the interfaces come from the
+    plan its hf_model/config.json and model_config.json imply."""
+    import shutil
+
+    bundle = tmp_path / "published"
+    shutil.copytree(tiny_published, bundle)
+    for package in sorted(bundle.glob("chunk_*.mlpackage")):
+        ct.utils.compile_model(str(package), str(package.with_suffix(".mlmodelc")))
+        shutil.rmtree(package)
+    kw = dict(raw=True, temperature=0, max_tokens=12)
+    want = gemma_ane.load(tiny_published, backend="mil").generate("Once upon a time", **kw).tokens
+    model = gemma_ane.load(bundle, backend="coreml")
+    assert model.head == "token_id" and model.generate("Once upon a time", **kw).tokens == want
+
+
+@pytest.mark.slow
+def test_a_compiled_chunk_the_bundle_states_nothing_about_is_one_line(compiled_bundle, standin, tmp_path):
+    import json
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(compiled_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["plan"]["chunks"] = [c for c in manifest["plan"]["chunks"] if c["name"] != "chunk_2"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BackendError) as e:
+        gemma_ane.load(bundle, backend="coreml")
+    assert "chunk_2.mlmodelc: manifest.json plan states no interface" in str(e.value)
+    assert "\n" not in str(e.value)
