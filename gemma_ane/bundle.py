@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .engine import Engine, HostTables
-from .files import FileFormatError, read_json, sha256_file
+from .files import FileFormatError, read_json, sha256_file, tree_size
 from .host import rope_tables, rotated_pairs
 from .package import Package, macs, weight_bytes
 from .spec import ModelSpec
@@ -77,6 +77,8 @@ def prompt_paths(chunks: list[dict]) -> dict:
     paths = {}
     for fname in stateful[0]["functions"] if stateful else []:
         fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
+        if any(f["macs_per_token"] is None for f in fns):
+            continue  # a compiled chunk: costs unknown
         T = fns[0]["tokens_per_call"]
         paths[fname] = {
             "tokens_per_call": T,
@@ -92,24 +94,9 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     planned = {c["name"]: c for c in (manifest or {}).get("plan", {}).get("chunks", [])}
     chunks = []
     for path in chunk_paths(root):
-        name = path.name.split(".")[0]
-        pkg = Package.open(path)
-        program = pkg.program()
-        entry = {"name": name, "path": path.name, "size_bytes": pkg.size_bytes(), "functions": {}}
-        if name in planned:
-            entry["layers"] = planned[name]["layers"]
-        for fname in pkg.function_names:
-            io = pkg.interface(fname)
-            entry.setdefault("states", io["states"])
-            fn = program.functions[fname]
-            T = io["inputs"]["hidden_states"]["shape"][1] if "hidden_states" in io["inputs"] else 1
-            entry["functions"][fname] = {
-                "inputs": io["inputs"],
-                "outputs": io["outputs"],
-                "tokens_per_call": T,
-                "weight_bytes": weight_bytes(fn),
-                "macs_per_token": macs(fn) // T,
-            }
+        entry = _inspect_package(path) if path.suffix == ".mlpackage" else _inspect_compiled(path)
+        if entry["name"] in planned:
+            entry["layers"] = planned[entry["name"]]["layers"]
         chunks.append(entry)
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
     return {
@@ -118,6 +105,47 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
         "prompt_paths": prompt_paths(chunks),
         "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems},
     }
+
+
+def _tokens_per_call(io: dict) -> int:
+    return io["inputs"]["hidden_states"]["shape"][1] if "hidden_states" in io["inputs"] else 1
+
+
+def _inspect_package(path: Path) -> dict:
+    """Interfaces, weight bytes and MACs, read off the saved program."""
+    pkg = Package.open(path)
+    program = pkg.program()
+    entry = {"name": path.name.split(".")[0], "path": path.name, "size_bytes": pkg.size_bytes(), "functions": {}}
+    for fname in pkg.function_names:
+        io = pkg.interface(fname)
+        entry.setdefault("states", io["states"])
+        fn, T = program.functions[fname], _tokens_per_call(io)
+        entry["functions"][fname] = {
+            "inputs": io["inputs"],
+            "outputs": io["outputs"],
+            "tokens_per_call": T,
+            "weight_bytes": weight_bytes(fn),
+            "macs_per_token": macs(fn) // T,
+        }
+    return entry
+
+
+def _inspect_compiled(path: Path) -> dict:
+    """A compiled chunk cannot be read back: its interfaces as the bundle states them, no costs."""
+    from .backend import read_interfaces
+
+    interfaces = read_interfaces(path)
+    entry = {"name": path.name.split(".")[0], "path": path.name, "size_bytes": tree_size(path), "functions": {}}
+    entry["states"] = next(iter(interfaces.values()))["states"]
+    for fname, io in interfaces.items():
+        entry["functions"][fname] = {
+            "inputs": io["inputs"],
+            "outputs": io["outputs"],
+            "tokens_per_call": _tokens_per_call(io),
+            "weight_bytes": None,  # unknown: the program is compiled
+            "macs_per_token": None,
+        }
+    return entry
 
 
 # -- the host's tables: int8 sidecars read by row, RoPE tables ---------------------------------

@@ -125,10 +125,12 @@ def cmd_inspect(a):
         for name, t in c["states"].items():
             print(f"  state  {name:<24} {str(t['shape']):<22} {t['dtype']}")
         for fname, f in c["functions"].items():
-            print(
-                f"  {fname}: T={f['tokens_per_call']}, weights {f['weight_bytes'] / 1e6:.2f} MB, "
-                f"{f['macs_per_token'] / 1e6:.2f} M MACs/token"
+            costs = (
+                "costs unknown (compiled)"
+                if f["macs_per_token"] is None
+                else f"weights {f['weight_bytes'] / 1e6:.2f} MB, {f['macs_per_token'] / 1e6:.2f} M MACs/token"
             )
+            print(f"  {fname}: T={f['tokens_per_call']}, {costs}")
             for kind in ("inputs", "outputs"):
                 for name, t in f[kind].items():
                     print(f"    {kind[:-1]:<6} {name:<24} {str(t['shape']):<22} {t['dtype']}")

@@ -7,6 +7,7 @@ compilation, rounding or speed on a device.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import coremltools as ct
@@ -293,7 +294,6 @@ def test_a_compiled_published_bundle_runs_on_its_configs(tiny_published, standin
 
 @pytest.mark.slow
 def test_a_compiled_chunk_the_bundle_states_nothing_about_is_one_line(compiled_bundle, standin, tmp_path):
-    import json
     import shutil
 
     bundle = tmp_path / "bundle"
@@ -305,3 +305,20 @@ def test_a_compiled_chunk_the_bundle_states_nothing_about_is_one_line(compiled_b
         gemma_ane.load(bundle, backend="coreml")
     assert "chunk_2.mlmodelc: manifest.json plan states no interface" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_inspect_and_check_read_a_compiled_bundle(compiled_bundle, capsys):
+    from gemma_ane.cli import main
+
+    assert main(["check", str(compiled_bundle)]) == 0
+    assert main(["inspect", str(compiled_bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_1 (chunk_1.mlmodelc): layers 0-" in out and "prefill_b8: T=8, costs unknown (compiled)" in out
+    assert "manifest: verified" in out
+    assert main(["inspect", str(compiled_bundle), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    infer = report["chunks"][0]["functions"]["infer"]
+    assert infer["macs_per_token"] is None and infer["inputs"]["hidden_states"]["shape"] == [1, 1, 64]
+    assert report["chunks"][1]["states"]["kv_cache_sliding"]["shape"][2] == 16  # the ring, as stated
+    assert report["prompt_paths"] == {}
