@@ -805,21 +805,11 @@ class Writes(io.StringIO):
         return super().write(s)
 
 
+GREEDY_8 = "--max-tokens 8 --temperature 0 --backend mil".split()
+
+
 def test_cli_generate_streams_text(model, bundle, cli_model, monkeypatch):
-    argv = [
-        "generate",
-        str(bundle),
-        "-p",
-        "Hello world",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--repetition-penalty",
-        "2",
-        "--backend",
-        "mil",
-    ]
+    argv = ["generate", str(bundle), "-p", "Hello world", *GREEDY_8, "--repetition-penalty", "2"]
     expected = model.generate("Hello world", max_tokens=8, temperature=0, repetition_penalty=2.0).text
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
@@ -830,20 +820,7 @@ def test_cli_generate_streams_text(model, bundle, cli_model, monkeypatch):
 
 
 def test_cli_generate_json(model, bundle, cli_model, capsys):
-    argv = [
-        "generate",
-        str(bundle),
-        "-p",
-        "Hello world",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--backend",
-        "mil",
-        "--json",
-        "--raw",
-    ]
+    argv = ["generate", str(bundle), "-p", "Hello world", *GREEDY_8, "--json", "--raw"]
     expected = model.generate("Hello world", raw=True, max_tokens=8, temperature=0)
     model.reset()
     assert main(argv) == 0
