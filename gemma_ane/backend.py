@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .bundle import BundleError
+from .engine import FunctionUnavailable
 from .files import read_json
 from .package import Package
 
@@ -39,6 +40,9 @@ class ChunkBackend(Protocol):
     - `name`: the chunk's name (`chunk_1`, ...), for messages;
     - `interfaces`: function name -> Interface, read from the model itself (never from our plan),
       the default function first;
+    - `load(function)`: make a function ready to run. `infer` is ready once the backend is open;
+      the others (CONTRACT §3: optional) may be loaded on first use, and a device that cannot load
+      one raises FunctionUnavailable;
     - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
       `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
     - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
@@ -47,6 +51,8 @@ class ChunkBackend(Protocol):
 
     name: str
     interfaces: dict[str, Interface]
+
+    def load(self, function: str) -> None: ...
 
     def make_state(self) -> Any: ...
 
@@ -74,6 +80,9 @@ class MILBackend:
         self.name = Path(path).name.split(".")[0]
         self.interfaces = {f: m.interface for f, m in self.package.functions.items()}
 
+    def load(self, function: str) -> None:
+        function_of(self, function)  # the executor loaded every function with the package
+
     def make_state(self):
         return self.package.make_state()
 
@@ -83,7 +92,13 @@ class MILBackend:
 
 
 class CoreMLBackend:
-    """A package run by Core ML (macOS): one MLModel per function, sharing one MLState."""
+    """A package run by Core ML (macOS): one model per function, sharing one MLState.
+
+    Only `infer` is loaded up front. Every other function is loaded on first use (`load`): each
+    load compiles for the device, and a device may refuse one (CoreML-LLM reports the Neural Engine
+    compiler failing every stateful function with T > 1 on A19 Pro), which must cost that prompt
+    path, not the model.
+    """
 
     def __init__(self, path: Path, compute_units: str = "cpu_and_ne"):
         import coremltools as ct
@@ -91,26 +106,44 @@ class CoreMLBackend:
         if compute_units not in COMPUTE_UNITS:
             raise BackendError(f"compute_units={compute_units!r}: choose one of {', '.join(COMPUTE_UNITS)}")
         path = Path(path)
-        self.name = path.name.split(".")[0]
+        self.name, self.compute_units = path.name.split(".")[0], compute_units
         self.interfaces = read_interfaces(path)
-        units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
-        compiled, self.source = str(path), None
+        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
         if path.suffix == ".mlpackage":
-            # Opening an .mlpackage compiles it. Compile once, then open every function from that
-            # one compiled model (it lives as long as `source`), so they share one state as they do
-            # in Core ML's multifunction models, and the package is not compiled once per function.
-            self.source = ct.models.MLModel(str(path), compute_units=units, function_name=next(iter(self.interfaces)))
-            compiled = self.source.get_compiled_model_path()
-        self.models = {
-            f: ct.models.CompiledMLModel(compiled, compute_units=units, function_name=f) for f in self.interfaces
-        }
+            # Opening an .mlpackage compiles it. Compile once (loading `infer`, which lives as long
+            # as this backend), then open every other function from that one compiled model, so
+            # they share one state as in a multifunction model, and nothing is compiled twice.
+            model = ct.models.MLModel(str(path), compute_units=self.units, function_name="infer")
+            if model.__proxy__ is None:
+                error = model._framework_error
+                raise BackendError(f"{path}: function 'infer' cannot be loaded on {compute_units}: {error}")
+            self.compiled, self.models = model.get_compiled_model_path(), {"infer": model}
+        else:
+            self.compiled, self.models = str(path), {}
+            try:
+                self.load("infer")
+            except FunctionUnavailable as e:
+                raise BackendError(str(e)) from None
+
+    def load(self, function: str) -> None:
+        import coremltools as ct
+
+        function_of(self, function)
+        if function not in self.models:
+            try:
+                model = ct.models.CompiledMLModel(self.compiled, compute_units=self.units, function_name=function)
+            except RuntimeError as e:
+                raise FunctionUnavailable(
+                    f"{self.name}: function {function!r} cannot be loaded on {self.compute_units} ({e})"
+                ) from None
+            self.models[function] = model
 
     def make_state(self):
-        first = next(iter(self.interfaces))
-        return self.models[first].make_state() if self.interfaces[first]["states"] else None
+        return self.models["infer"].make_state() if self.interfaces["infer"]["states"] else None
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         feed = cast_inputs(function_of(self, function), inputs)
+        self.load(function)
         model = self.models[function]
         return model.predict(feed, state=state) if state is not None else model.predict(feed)
 

@@ -8,6 +8,7 @@ tests prove about the scheduling and the cache rules holds for every backend.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,12 @@ from .spec import FULL, SLIDING
 
 class ContextOverflow(ValueError):
     pass
+
+
+class FunctionUnavailable(RuntimeError):
+    """A chunk function this device cannot load or compile on the requested compute units (e.g. the
+    Neural Engine compiler refusing a T>1 stateful function). Raised by a backend's `load`; the
+    engine then runs without that prompt path."""
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Engine:
         self.logits_dtype = logits_dtype
         # The published head returns the argmax token (token_id) instead of logits.
         self.head = "logits" if "logits" in chunks[-1].interfaces["infer"]["outputs"] else "token_id"
+        self.loaded = {"infer"}  # functions every chunk that has them has loaded (infer: at open)
         self.reset()
 
     @classmethod
@@ -206,6 +214,39 @@ class Engine:
             i += steps[-1][1]
         return steps
 
+    def _ready_plan(self, n: int, logits: str) -> list[tuple[str, int]]:
+        """plan(), once every function it uses is loaded. A function a chunk cannot load (CONTRACT
+        §3: every prompt function is optional) leaves the prompt paths with one warning, and the
+        plan is made again without it: the prompt then runs through the paths that remain."""
+        while True:
+            steps = self.plan(self.position, n, logits)
+            missing = [f for f in dict.fromkeys(f for f, _ in steps) if f not in self.loaded]
+            if not missing:
+                return steps
+            function = missing[0]
+            try:
+                for chunk in self.chunks:
+                    if function in chunk.interfaces:
+                        chunk.load(function)
+                self.loaded.add(function)
+            except FunctionUnavailable as e:
+                self._drop(function)
+                warnings.warn(f"{e}; prompts run without it ({self._paths()})", RuntimeWarning, stacklevel=4)
+
+    def _drop(self, function: str) -> None:
+        if function == f"prefill_b{self.prefill_batch}":
+            self.prefill_batch = None
+        elif function.startswith("prefill_kv_b"):
+            self.kv_batches = tuple(T for T in self.kv_batches if f"prefill_kv_b{T}" != function)
+        else:  # infer is loaded when the backend opens; nothing else is planned
+            raise AssertionError(f"{function} is not a prompt path")
+
+    def _paths(self) -> str:
+        batched = [f"prefill_kv_b{T}" for T in self.kv_batches] + [f"prefill_b{self.prefill_batch}"] * bool(
+            self.prefill_batch
+        )
+        return ", ".join(batched + ["infer" + (" one token at a time" if not batched else "")])
+
     # -- the cache rules ---------------------------------------------------------------------------
     def reuse(self, ids) -> int:
         """Rewind the caches to the longest prefix of `ids` they can keep, and return its length
@@ -264,7 +305,7 @@ class Engine:
 
     def _feed(self, ids: np.ndarray, logits: str) -> list[np.ndarray]:
         results, i, n = [], 0, len(ids)
-        for function, T in self.plan(self.position, n, logits):
+        for function, T in self._ready_plan(n, logits):
             p = self.position
             if function.startswith("prefill_kv"):
                 self._run_kv(ids[i : i + T])

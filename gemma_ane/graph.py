@@ -295,6 +295,10 @@ class TorchChunk:
             for f, io in model.chunk.functions.items()
         }
 
+    def load(self, function: str) -> None:
+        if function not in self.interfaces:
+            raise KeyError(f"{self.name} has no function {function!r}")
+
     def make_state(self) -> dict | None:
         states = self.model.chunk.states
         return {k: torch.zeros(t.shape, dtype=self.dtype) for k, t in states.items()} if states else None

@@ -10,7 +10,16 @@ import numpy as np
 
 from .spec import ModelSpec
 
-MASK_BLOCKED = np.float16(-65504.0)  # the most negative fp16: exp() of it is exactly 0 after max-subtraction
+# The additive value of a blocked mask entry. Not -inf, and not fp16's limit -65504: the Neural Engine
+# mishandles -inf in softmax, and score + (-65504) is already -inf in fp16 for any score below -16.
+# With -40000 (exact in fp16) every intermediate of `softmax(scores + mask)` stays finite while the
+# scores lie within +-MASK_SCORE_BOUND: the sum stays above -65504, and so does its difference from
+# the row's max, which max-subtracting softmax computes. A blocked entry still weighs exactly 0:
+# exp() of anything below -17.4 is 0 in fp16, and it sits >= 40000 - 2 * bound below the max.
+# Gemma 4 normalizes q and k (RMSNorm times a learned scale) before q.k, so scores are
+# |q||k|-bounded, orders of magnitude inside the bound.
+MASK_BLOCKED = np.float16(-40000.0)
+MASK_SCORE_BOUND = (65504 + int(MASK_BLOCKED)) // 2  # 12752: the |score| every blocked entry tolerates
 
 
 # -- int8 per-row tables (CONTRACT §2) ------------------------------------------------------------

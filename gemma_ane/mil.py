@@ -9,6 +9,7 @@ of a package together, as Core ML loads a multifunction package.
 from __future__ import annotations
 
 import gc
+import os
 from collections import defaultdict
 from enum import Enum
 from functools import cached_property
@@ -501,10 +502,11 @@ class _Loader:
     """What the functions of one package share while they load: the program (read on first use),
     the precision, and the linear weights, each transposed and widened to fp32 once per package."""
 
-    def __init__(self, path, precision: str):
+    def __init__(self, path, precision: str, strict: bool | None = None):
         if precision not in ("fp16", "fp32"):
             raise ExecutionError(f"precision={precision!r}: choose fp16 or fp32")
         self.package, self.precision = Package.open(path), precision
+        self.strict = os.environ.get("GEMMA_ANE_STRICT") == "1" if strict is None else strict
         self.weights: dict = {}
 
     @cached_property
@@ -519,10 +521,14 @@ class MILModel:
     precision="fp16" (default) keeps every tensor in the dtype the program declares and runs
     linear/matmul with fp32 accumulation; "fp32" computes every float in fp32, for diagnosis.
     Weights (including palettized ones) are decompressed once, at load.
+
+    strict=True (default: the environment variable GEMMA_ANE_STRICT=1, which the tests set) fails
+    the call at the first op whose result holds inf or NaN: on the Neural Engine a non-finite fp16
+    value (an overflowing add, -inf through a softmax) silently corrupts everything after it.
     """
 
-    def __init__(self, path, function_name: str | None = None, precision: str = "fp16"):
-        self._load(_Loader(path, precision), function_name)
+    def __init__(self, path, function_name: str | None = None, precision: str = "fp16", strict: bool | None = None):
+        self._load(_Loader(path, precision, strict), function_name)
 
     @classmethod
     def _from_loader(cls, loader: _Loader, function_name: str) -> MILModel:
@@ -534,6 +540,7 @@ class MILModel:
     # -- load time: resolve every var to a slot and every op to a closure --------------------------
     def _load(self, loader: _Loader, function_name: str | None) -> None:
         self.package, self.path, self.precision = loader.package, loader.package.path, loader.precision
+        self.strict = loader.strict
         self.function_name = function_name or self.package.default_function
         if self.function_name not in self.package.function_names:
             raise ExecutionError(
@@ -556,11 +563,13 @@ class MILModel:
                 )
         slots, aliases = _slots(fn, ops), _Aliases(fn, ops)
         consts, consumed = self._constants(ops, slots)
-        steps = [(op.op_type, self._step(i, op, slots, consts, aliases)) for i, op in enumerate(ops) if not _folded(op)]
+        run = [(i, op) for i, op in enumerate(ops) if not _folded(op)]
+        self._steps = [self._step(i, op, slots, consts, aliases) for i, op in run]
         for s in consumed:
             consts[s] = None
-        self.step_kinds = [kind for kind, _ in steps]  # op type of each step, for profiling
-        self._steps = [step for _, step in steps]
+        self.step_kinds = [op.op_type for _, op in run]  # op type of each step, for profiling
+        # what strict mode checks after each step: the op and the float slots it wrote
+        self._written = [(op, [slots[o.name] for o in op.outputs if _var_dtype(o).kind == "f"]) for _, op in run]
         self._consts = consts
         self._inputs = {n: slots[n] for n in fn.inputs if aliases.root[n][0] is Root.INPUT}
         self._stateful = any(r[0] is Root.STATE for n, r in aliases.root.items() if n in fn.inputs)
@@ -672,16 +681,27 @@ class MILModel:
         for name, s in self._inputs.items():
             a = np.asarray(inputs[name])
             env[s] = a.astype(self._float(a.dtype), copy=False)
-        for step in self._steps:
+        for i, step in enumerate(self._steps):
             if getattr(step, "needs_state", False):
                 step(env, state)
             else:
                 step(env)
+            if self.strict:
+                self._check_finite(i, env)
         return {
             name: (env[s].copy() if name in self._copy_outputs else env[s])
             for name, s in self._outputs.items()
             if name in self.interface["outputs"]
         }
+
+    def _check_finite(self, i: int, env: list) -> None:
+        op, written = self._written[i]
+        for s in written:
+            if not np.isfinite(env[s]).all():
+                bad = "NaN" if np.isnan(env[s]).any() else "inf"
+                raise ExecutionError(
+                    f"{self.function_name}: op {op.name} ({op.op_type}) produced {bad} in {env[s].dtype} (strict mode)"
+                )
 
 
 class MILPackage:
@@ -689,8 +709,8 @@ class MILPackage:
     package: a weight the functions share is decompressed and widened once, and one state (from
     `make_state()`) serves every function."""
 
-    def __init__(self, path, precision: str = "fp16"):
-        loader = _Loader(path, precision)
+    def __init__(self, path, precision: str = "fp16", strict: bool | None = None):
+        loader = _Loader(path, precision, strict)
         self.package, self.path = loader.package, loader.package.path
         self.functions = {f: MILModel._from_loader(loader, f) for f in self.package.function_names}
         # The loaded program (every function's fp16 weights: GBs at E2B size) is garbage now, but

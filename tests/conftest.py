@@ -8,6 +8,10 @@ from filelock import FileLock
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# The executor fails at the first op that produces inf or NaN (mil.MILModel, strict): on the Neural
+# Engine a non-finite fp16 value silently corrupts what follows. Subprocesses inherit it.
+os.environ["GEMMA_ANE_STRICT"] = "1"
+
 # Fixtures that convert a bundle (each conversion costs 30-60 s): every test that uses one, directly
 # or through another fixture, is slow; so are tests marked by hand (a conversion of their own, or a
 # long oracle run). `pytest -m "not slow"` is the fast loop; CI runs everything.

@@ -33,15 +33,15 @@ models/utils.py; coremlpython/CoreMLPython.mm, CoreMLPythonUtils.mm, CoreMLPytho
 The stand-in's compiled form (what `compileModel` writes; only this stand-in can load it):
 
     NAME.mlmodelc/
-        standin.json        {"standin": "gemma-ane tests", "source": "NAME.mlpackage"}: the marker
+        standin.json        {"standin": "gemma-ane tests", "source": "NAME.mlpackage", "source_path": ...}
         model.mil           text: one line per function with its inputs, states and outputs
         standin.mlpackage/  a copy of the source package, which the executor runs
 
 Where it differs from Core ML, by choice: an int32 input given a float array (or the reverse) is an
 error, not a cast; the executor loads a package on its first predict or newState (so an op it
-lacks fails there, not at load), once for all the package's models; every compute unit runs the
-same fp16 executor. `install(refuse={...})` makes loading the named functions on the Neural Engine
-("ALL", "CPU_AND_NE") fail, as an ANE compile failure would on a device.
+lacks fails there, not at load), once for all the models of a package and its compiled copies;
+every compute unit runs the same fp16 executor. `install(refuse={...})` makes loading the named
+functions on the Neural Engine ("ALL", "CPU_AND_NE") fail, as an ANE compile failure would.
 """
 
 from __future__ import annotations
@@ -81,10 +81,12 @@ class StandIn:
     packages: dict = field(default_factory=dict)
 
     def package(self, path: Path) -> MILPackage:
-        """One executor per package, so every function's model shares its weights and states."""
-        if path not in self.packages:
-            self.packages[path] = MILPackage(path, "fp16")
-        return self.packages[path]
+        """One executor per package, so every function's model shares its weights and states; a
+        compiled copy of a package is that package (its models share states with the source's)."""
+        key = _source(path)
+        if key not in self.packages:
+            self.packages[key] = MILPackage(path, "fp16")
+        return self.packages[key]
 
 
 _active: StandIn | None = None
@@ -104,6 +106,12 @@ def _program_path(path: str) -> Path:
     if not (p / MARKER).is_file():
         raise RuntimeError(f"{path}: not a compiled model this stand-in made (no {MARKER})")
     return (p / "standin.mlpackage").resolve()
+
+
+def _source(program: Path) -> Path:
+    """The package a program came from: itself, or what our compiled form records."""
+    marker = program.parent / MARKER
+    return Path(json.loads(marker.read_text())["source_path"]) if marker.is_file() else program
 
 
 def _open(path: Path) -> Package:
@@ -238,7 +246,8 @@ class _MLModelProxy:
         shutil.copytree(source, out / "standin.mlpackage")
         header = f"// compiled by the gemma-ane tests' Core ML stand-in from {source.name}"
         (out / "model.mil").write_text("\n".join([header, *_signatures(package)]) + "\n")
-        (out / MARKER).write_text(json.dumps({"standin": "gemma-ane tests", "source": source.name}))
+        marker = {"standin": "gemma-ane tests", "source": source.name, "source_path": str(source.resolve())}
+        (out / MARKER).write_text(json.dumps(marker))
         return str(out)
 
     @staticmethod

@@ -8,6 +8,7 @@ import torch
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
 from gemma_ane.graph import load_chunk
+from gemma_ane.host import MASK_BLOCKED
 from gemma_ane.mil import MILModel
 from gemma_ane.package import Package
 from gemma_ane.spec import ChunkPlan
@@ -56,8 +57,8 @@ def test_full_width_chunk_converts_and_runs(wide, tmp_path):
         )
         for n, t in io["inputs"].items()
     }
-    x["causal_mask_full"][..., 1:] = -65504  # position 0 sees slot 0 only
-    x["causal_mask_sliding"][..., 1:] = -65504
+    x["causal_mask_full"][..., 1:] = MASK_BLOCKED  # position 0 sees slot 0 only
+    x["causal_mask_sliding"][..., 1:] = MASK_BLOCKED
     x["cos_s"][:], x["sin_s"][:], x["cos_f"][:], x["sin_f"][:] = 1, 0, 1, 0
     out = exe.predict(x, state=exe.make_state())
     with torch.no_grad():

@@ -8,7 +8,9 @@ compilation, rounding or speed on a device.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import warnings
 
 import coremltools as ct
 import numpy as np
@@ -51,12 +53,12 @@ def accumulator(times: float):
 
 @pytest.fixture(scope="module")
 def adder(tmp_path_factory):
-    """adder.mlpackage: `add` (default; acc += x) and `twice` (acc += 2x), sharing the state `acc`."""
+    """adder.mlpackage: `infer` (default; acc += x) and `twice` (acc += 2x), sharing the state `acc`."""
     from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
 
     root = tmp_path_factory.mktemp("adder")
     desc = MultiFunctionDescriptor()
-    for name, times in (("add", 1), ("twice", 2)):
+    for name, times in (("infer", 1), ("twice", 2)):
         model = ct.convert(
             accumulator(times),
             convert_to="mlprogram",
@@ -66,7 +68,7 @@ def adder(tmp_path_factory):
         )
         model.save(str(root / f"{name}.mlpackage"))
         desc.add_function(str(root / f"{name}.mlpackage"), src_function_name="main", target_function_name=name)
-    desc.default_function_name = "add"
+    desc.default_function_name = "infer"
     save_multifunction(desc, str(root / "adder.mlpackage"))
     return root / "adder.mlpackage"
 
@@ -77,7 +79,7 @@ X = np.array([[1, 2, 3, 4]], np.float16)
 def test_mlmodel_runs_every_function_on_one_state(adder, standin):
     add = ct.models.MLModel(str(adder))  # no function_name: the package's default
     twice = ct.models.MLModel(str(adder), compute_units=ct.ComputeUnit.CPU_AND_NE, function_name="twice")
-    assert (add.function_name, twice.function_name) == ("add", "twice")
+    assert (add.function_name, twice.function_name) == ("infer", "twice")
     assert (str(adder), "CPU_AND_NE", "twice") in standin.loads
     state = add.make_state()
     assert isinstance(state, MLState)
@@ -95,8 +97,8 @@ def test_mlmodel_runs_every_function_on_one_state(adder, standin):
 def test_compile_model_and_compiled_mlmodel_round_trip(adder, standin, tmp_path):
     dest = tmp_path / "adder.mlmodelc"
     assert ct.utils.compile_model(str(adder), str(dest)) == str(dest)
-    assert "func add(x: float16[1, 4], acc: float16[1, 4]) -> (total)" in (dest / "model.mil").read_text()
-    add = ct.models.CompiledMLModel(str(dest), ct.ComputeUnit.CPU_ONLY, function_name="add")
+    assert "func infer(x: float16[1, 4], acc: float16[1, 4]) -> (total)" in (dest / "model.mil").read_text()
+    add = ct.models.CompiledMLModel(str(dest), ct.ComputeUnit.CPU_ONLY, function_name="infer")
     twice = ct.models.CompiledMLModel(str(dest), ct.ComputeUnit.CPU_ONLY, function_name="twice")
     state = twice.make_state()  # one function's state serves the other
     np.testing.assert_array_equal(twice.predict({"x": X}, state=state)["total"], 2 * X)
@@ -106,7 +108,7 @@ def test_compile_model_and_compiled_mlmodel_round_trip(adder, standin, tmp_path)
     again = ct.models.CompiledMLModel(held, function_name="twice")
     np.testing.assert_array_equal(again.predict({"x": X}, state=again.make_state())["total"], 2 * X)
     asset = ct.models.model.MLModelAsset(ct.models.model.MLModelAsset.from_path(str(dest)))
-    from_asset = ct.models.CompiledMLModel.from_asset(asset, function_name="add")
+    from_asset = ct.models.CompiledMLModel.from_asset(asset, function_name="infer")
     np.testing.assert_array_equal(from_asset.predict({"x": X}, state=from_asset.make_state())["total"], X)
 
 
@@ -131,7 +133,8 @@ def test_standin_refuses_what_core_ml_refuses(adder, standin, tmp_path):
         state.write_state("acc", X)  # MLState.write_state hands fp16 to the bridge, which takes no fp16
     with pytest.raises(RuntimeError, match="no state named 'kv'"):
         state.read_state("kv")
-    other = ct.models.CompiledMLModel(ct.utils.compile_model(str(adder), str(tmp_path / "other.mlmodelc")))
+    shutil.copytree(adder, tmp_path / "other.mlpackage")  # another package (a compiled copy would be the same one)
+    other = ct.models.CompiledMLModel(ct.utils.compile_model(str(tmp_path / "other.mlpackage")))
     with pytest.raises(RuntimeError, match="another model package"):
         add.predict({"x": X}, state=other.make_state())
     standin.refuse.add("twice")  # an ANE compile failure: the Neural Engine refuses, the CPU does not
@@ -144,15 +147,16 @@ def test_coreml_backend_through_coremltools(adder, standin, capsys):
     assert pick_backend("auto") == "coreml"
     assert "Core ML" in capsys.readouterr().err
     chunk = CoreMLBackend(adder, compute_units="cpu_only")
-    assert list(chunk.interfaces) == ["add", "twice"]
-    # the package is compiled once; every function opens that one compiled model
-    assert all(isinstance(m, ct.models.CompiledMLModel) for m in chunk.models.values())
-    assert [p.endswith(".mlmodelc") for p, _, _ in standin.loads] == [False, True, True]
-    assert [(f, u) for _, u, f in standin.loads[1:]] == [("add", "CPU_ONLY"), ("twice", "CPU_ONLY")]
+    assert list(chunk.interfaces) == ["infer", "twice"]
+    # open loads infer alone, from the package (which compiles it) ...
+    assert standin.loads == [(str(adder), "CPU_ONLY", "infer")] and list(chunk.models) == ["infer"]
     state = chunk.make_state()
     np.testing.assert_array_equal(chunk.predict("twice", {"x": X.astype(np.float64)}, state)["total"], 2 * X)
-    np.testing.assert_array_equal(chunk.predict("add", {"x": X}, state)["total"], 3 * X)
-    with pytest.raises(BackendError, match="adder: no function 'prefill_b8' \\(has add, twice\\)"):
+    # ... and another function on first use, from that one compiled model
+    assert chunk.compiled.endswith(".mlmodelc") and standin.loads[1:] == [(chunk.compiled, "CPU_ONLY", "twice")]
+    assert isinstance(chunk.models["twice"], ct.models.CompiledMLModel)
+    np.testing.assert_array_equal(chunk.predict("infer", {"x": X}, state)["total"], 3 * X)
+    with pytest.raises(BackendError, match="adder: no function 'prefill_b8' \\(has infer, twice\\)"):
         chunk.predict("prefill_b8", {"x": X}, state)
 
 
@@ -243,7 +247,35 @@ def test_generate_through_coreml_equals_the_mil_backend(tiny_bundle16, standin):
     assert coreml.tokens == mil.tokens and len(mil.tokens) == 24
     assert model.engine.position > 16  # past the sliding window: the ring wrapped
     assert {f for _, f, _ in model.engine.history} >= {"infer", "prefill_kv_b8"}
-    assert {f for _, _, f in standin.loads} >= {"infer", "prefill_b8", "prefill_kv_b8"}
+    assert {f for _, _, f in standin.loads} == {"infer", "prefill_kv_b8"}  # loaded when used: prefill_b8 never was
+
+
+def test_a_function_the_neural_engine_refuses_falls_back_to_infer(tiny_bundle16):
+    """CoreML-LLM reports every T>1 stateful function failing ANE compilation on A19 Pro: the prompt
+    then runs through infer, with one warning per refused function, and the tokens are those of the
+    executor driven the same way."""
+    kw = dict(raw=True, temperature=0, max_tokens=8)
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away"
+    mil = gemma_ane.load(tiny_bundle16, backend="mil")
+    mil.engine.prefill_batch, mil.engine.kv_batches = None, ()
+    want = mil.generate(prompt, **kw).tokens
+    with install(refuse={"prefill_b8", "prefill_kv_b8"}) as standin:
+        model = gemma_ane.load(tiny_bundle16, backend="coreml")
+        assert {f for _, _, f in standin.loads} == {"infer"}  # nothing else is loaded before it is used
+        with pytest.warns(RuntimeWarning) as caught:
+            got = model.generate(prompt, **kw).tokens
+        messages = sorted(str(w.message) for w in caught)
+        assert len(messages) == 2 and all("ANECCompile" in m for m in messages)
+        assert messages[0].startswith("chunk_1: function 'prefill_b8' cannot be loaded on cpu_and_ne")
+        assert messages[1].startswith("chunk_1: function 'prefill_kv_b8' cannot be loaded on cpu_and_ne")
+        assert got == want and {f for _, f, _ in model.engine.history} == {"infer"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per model, not once per prompt
+            model.generate(prompt + " again", **kw)
+        standin.refuse.add("infer")
+        with pytest.raises(BackendError, match=r"chunk_1.mlpackage: function 'infer' cannot be loaded on cpu_and_ne"):
+            with pytest.warns(RuntimeWarning):  # coremltools' own warning, before our error
+                gemma_ane.load(tiny_bundle16, backend="coreml")
 
 
 # -- compiled bundles: interfaces from what the bundle states ----------------------------------------

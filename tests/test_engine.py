@@ -1,17 +1,25 @@
 """The step driver and its cache rules, observed through a recording backend: which function runs
 at which position, and what a new prompt may reuse. Backend-agnostic, so these hold for all."""
 
+import warnings
+
 import numpy as np
 import pytest
 
-from gemma_ane.engine import ContextOverflow, Engine
+from gemma_ane.engine import ContextOverflow, Engine, FunctionUnavailable
 
 
 class Recorder:
-    def __init__(self, name, log, outputs):
+    def __init__(self, name, log, outputs, functions=("infer",)):
         self.name, self.log, self.outputs = name, log, outputs
         types = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs(1).items()}
-        self.interfaces = {"infer": {"inputs": {}, "outputs": types, "states": {}}}
+        self.interfaces = {f: {"inputs": {}, "outputs": types, "states": {}} for f in functions}
+        self.refuse, self.loads = set(), []
+
+    def load(self, function):
+        self.loads.append(function)
+        if function in self.refuse:
+            raise FunctionUnavailable(f"{self.name}: function {function!r} cannot be loaded on cpu_and_ne")
 
     def make_state(self):
         return None
@@ -22,14 +30,15 @@ class Recorder:
         return self.outputs(T)
 
 
-def recording_engine(window=16, context=64, batch=8):
+def recording_engine(window=16, context=64, batch=8, kv=()):
     log, V, H, PL = [], 10, 4, 6
     outs = {
         "chunk_1": lambda T: {"hidden_states_out": np.zeros((1, T, H)), "per_layer_combined_out": np.zeros((1, T, PL))},
         "chunk_2": lambda T: {"hidden_states_out": np.zeros((1, T, H))},
         "chunk_3": lambda T: {"logits": np.zeros((1, 1, V))},
     }
-    chunks = [Recorder(n, log, f) for n, f in outs.items()]
+    prompt = (f"prefill_b{batch}",) * bool(batch) + tuple(f"prefill_kv_b{T}" for T in kv)
+    chunks = [Recorder(n, log, f, ("infer",) + prompt * (n != "chunk_3")) for n, f in outs.items()]
 
     class Host:
         rope = {}
@@ -37,7 +46,7 @@ def recording_engine(window=16, context=64, batch=8):
         def embed(self, ids):
             return np.zeros((1, len(ids), H)), np.zeros((1, len(ids), PL))
 
-    return Engine(chunks, Host(), context=context, window=window, prefill_batch=batch), log
+    return Engine(chunks, Host(), context=context, window=window, prefill_batch=batch, kv_batches=kv), log
 
 
 def test_schedule_prefills_only_exact_batches_and_runs_head_once():
@@ -113,6 +122,27 @@ def test_a_failed_step_resets_the_caches():
     assert engine.position == 0 and engine.tokens == [] and engine.history == []
 
 
+def test_a_refused_function_leaves_the_prompt_paths_with_one_warning():
+    """A device that cannot load prefill_b8 (an ANE compile failure): the prompt runs through what
+    remains, the function is loaded only when first planned, and the warning comes once."""
+    engine, log = recording_engine(kv=(4,))
+    assert all(c.loads == [] for c in engine.chunks)  # nothing loaded before it is needed
+    engine.chunks[1].refuse.add("prefill_b8")
+    with pytest.warns(RuntimeWarning, match=r"chunk_2: function 'prefill_b8' cannot be loaded.*prefill_kv_b4, infer"):
+        engine.feed(np.arange(14), logits="all")  # all logits: no KV-only batches, so prefill_b8 is planned
+    assert [f for _, f, _ in engine.history] == ["infer"] * 14 and engine.prefill_batch is None
+    assert engine.chunks[0].loads == ["prefill_b8"] and engine.chunks[2].loads == []
+    engine.chunks[0].refuse.add("prefill_kv_b4")
+    with pytest.warns(RuntimeWarning, match=r"'prefill_kv_b4' cannot be loaded.*\(infer one token at a time\)"):
+        engine.feed(np.arange(14, 24))  # prefill_kv_b4 is planned at 16
+    assert engine.kv_batches == () and [f for _, f, _ in engine.history[14:]] == ["infer"] * 10
+    engine.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing more to warn about
+        engine.feed(np.arange(20))
+    assert {f for _, f, _ in engine.history} == {"infer"}
+
+
 # -- the backend contract ---------------------------------------------------------------------------
 
 
@@ -123,7 +153,7 @@ def test_every_backend_meets_the_chunk_backend_contract():
     from gemma_ane.backend import ChunkBackend, CoreMLBackend, MILBackend
     from gemma_ane.graph import TorchChunk
 
-    for name in ("make_state", "predict"):
+    for name in ("load", "make_state", "predict"):
         want = list(inspect.signature(getattr(ChunkBackend, name)).parameters)
         for backend in (CoreMLBackend, MILBackend, TorchChunk):
             assert list(inspect.signature(getattr(backend, name)).parameters) == want, (backend.__name__, name)

@@ -350,7 +350,7 @@ def test_cast(tmp_path):
             mb.cast(x=n, dtype="fp32", name="to_float"),
         )
 
-    model = MILModel(build(prog, tmp_path / "p.mlpackage", "cast"))
+    model = MILModel(build(prog, tmp_path / "p.mlpackage", "cast"), strict=False)  # 70000 -> inf on purpose
     x = f32([-2.75, -0.5, 0.5, 2.75, 3.0, 70000.0])
     out = model.predict({"x": x, "n": i32([-3, 0, 2049])})
     # float -> int truncates toward zero (coremltools' own constant folding is numpy's astype)
@@ -360,6 +360,22 @@ def test_cast(tmp_path):
     np.testing.assert_array_equal(out["to_half"], x.astype(np.float16))  # 70000 -> inf, as fp16 does
     assert out["to_float"].dtype == np.float32
     np.testing.assert_array_equal(out["to_float"], [-3.0, 0.0, 2049.0])
+
+
+def test_strict_mode_fails_at_the_first_non_finite_op(tmp_path):
+    """An fp16 add past 65504 is inf: strict mode (the tests' default) names the op; without it the
+    inf flows on, as it would on the device."""
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 4), dtype=FP16)], opset_version=IOS18)
+    def prog(x):
+        return mb.mul(x=mb.add(x=x, y=np.float16(40000.0), name="shift"), y=np.float16(0.5), name="half")
+
+    path = build(prog, tmp_path / "p.mlpackage", "add", "mul", precision="fp16")
+    x = {"x": np.array([[0, 1, -50000, 30000]], np.float16)}
+    with pytest.raises(ExecutionError, match=r"op shift \(add\) produced inf in float16"):
+        MILModel(path).predict(x)
+    out = MILModel(path, strict=False).predict(x)["half"]
+    assert np.isinf(out[0, 3]) and np.isfinite(out[0, :3]).all()
 
 
 # -- matmul, linear --------------------------------------------------------------------------------
