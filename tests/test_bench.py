@@ -139,3 +139,25 @@ def test_executor_vs_transformers_quick(quick_ckpt, quick_bundle):
 def test_ane_bench_says_it_needs_macos():
     r = script("ane.py", "some-bundle", check=False)
     assert r.returncode == 2 and "needs macOS" in r.stderr and r.stdout == ""
+
+
+def test_ane_bench_quick_through_the_core_ml_standin(tiny_bundle16, capsys):
+    """The Mac benchmark end to end through coremltools' own front-end (native layer: the tests'
+    stand-in), so it cannot arrive on a Mac broken. Its figures mean nothing here."""
+    from coreml_standin import PLATFORM_MODULES, install
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import ane
+
+        with install(platform_modules=(*PLATFORM_MODULES, "ane")) as standin:
+            assert ane.main([str(tiny_bundle16), "--quick", "--no-record"]) == 0
+    finally:
+        sys.path.remove(str(BENCH))
+    out = capsys.readouterr().out
+    assert "QUICK MODE" in out and "n/a (no libproc)" in out
+    for path in ("| infer |", "| prefill_b8 |", "| prefill_kv_b8 (+ smaller) |", "| 32 |", "| 64 |"):
+        assert path in out, path
+    # every segment of the soak replays the same steps: on one executor, drift is exactly zero
+    assert "soak: 200/200 steps, max logits drift between segments 0\n" in out + "\n"
+    assert {f for _, _, f in standin.loads} == {"infer", "prefill_b8", "prefill_kv_b8"}
