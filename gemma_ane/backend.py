@@ -46,7 +46,10 @@ class ChunkBackend(Protocol):
     - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
       `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
     - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
-      float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name.
+      float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name;
+    - `read_state(state, name)` / `write_state(state, name, array)`: one state's contents as a
+      numpy array of its declared dtype, and back (Core ML: `MLState.read_state/write_state`,
+      coremltools >= 9), for snapshots of the caches.
     """
 
     name: str
@@ -57,6 +60,10 @@ class ChunkBackend(Protocol):
     def make_state(self) -> Any: ...
 
     def predict(self, function: str, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
+
+    def read_state(self, state: Any, name: str) -> np.ndarray: ...
+
+    def write_state(self, state: Any, name: str, array: np.ndarray) -> None: ...
 
 
 def cast_inputs(interface: Interface, inputs: dict) -> dict:
@@ -89,6 +96,12 @@ class MILBackend:
     def predict(self, function: str, inputs: dict, state) -> dict:
         io = function_of(self, function)
         return self.package.functions[function].predict(cast_inputs(io, inputs), state=state)
+
+    def read_state(self, state, name: str) -> np.ndarray:
+        return state.arrays[name].copy()
+
+    def write_state(self, state, name: str, array: np.ndarray) -> None:
+        state.arrays[name][...] = array
 
 
 class CoreMLBackend:
@@ -146,6 +159,12 @@ class CoreMLBackend:
         self.load(function)
         model = self.models[function]
         return model.predict(feed, state=state) if state is not None else model.predict(feed)
+
+    def read_state(self, state, name: str) -> np.ndarray:
+        return np.asarray(state.read_state(name)).astype(self.interfaces["infer"]["states"][name]["dtype"])
+
+    def write_state(self, state, name: str, array: np.ndarray) -> None:
+        state.write_state(name, np.asarray(array, np.float32))  # the bridge takes no fp16 arrays
 
 
 def read_interfaces(path: Path) -> dict[str, Interface]:

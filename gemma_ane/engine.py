@@ -54,6 +54,19 @@ class HostTables:
         )
 
 
+RING = "kv_cache_sliding"  # CONTRACT §3: the sliding caches, rings of `window` slots
+MAX_SNAPSHOTS = 4  # ring snapshots kept: E2B's rings are 12.6 MB (fp16, both chunks)
+
+
+@dataclass
+class Snapshot:
+    """The rings (per chunk, state name -> array) as they were at `position`: together with the
+    full caches' rows below it, the caches of tokens[:position]."""
+
+    position: int
+    rings: list[dict]
+
+
 def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
     """A write-then-attend batch is exactly causal only if no row's write evicts a slot that an
     earlier row of the same batch still needs: true for T == 1 or a batch inside the first ring pass."""
@@ -111,6 +124,7 @@ class Engine:
         self.position = 0
         self.tokens: list[int] = []  # the ids whose K/V the caches hold, in position order
         self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
+        self.snapshots: list[Snapshot] = []  # the rings at earlier prompt ends, oldest first
 
     def _predict(self, i: int, function: str, inputs: dict) -> dict:
         return self.chunks[i].predict(function, inputs, self.states[i])
@@ -249,14 +263,15 @@ class Engine:
 
     # -- the cache rules ---------------------------------------------------------------------------
     def reuse(self, ids) -> int:
-        """Rewind the caches to the longest prefix of `ids` they can keep, and return its length
+        """Rewind the caches to the longest prefix of `ids` they hold exactly, and return its length
         (0: they start over). The caller then feeds ids[kept:].
 
-        Kept are only the steps a fresh run of `ids` would also take: the same functions over the
-        same positions give bit-identical caches, while fp16 batched and single-step results differ.
-        The last token always runs again (it must give logits). And a ring cache rewinds exactly
-        only if nothing discarded wrapped over a slot the kept prefix still needs: a discarded
-        position q overwrote slot q - window, needed while kept < q < kept + window.
+        The full caches are indexed by position: any cached prefix of `ids` is exact there, whatever
+        batches computed it (fp16 batched and single-step results differ within the verified
+        bounds; the same calls always give the same results). The last token always runs again (it
+        must give logits). The rings are the limit: a discarded position q >= window overwrote the
+        slot of q - window, which the kept prefix still needs when q > kept. Then a snapshot of the
+        rings taken at a prompt end inside the common prefix takes their place (see `prompt`).
         """
         ids = [int(t) for t in ids]
         common = 0
@@ -265,25 +280,56 @@ class Engine:
                 break
             common += 1
         common = min(common, len(ids) - 1)
-        kept = 0
-        for (pos, function, T), fresh in zip(self.history, self.plan(0, len(ids))):
-            if pos != kept or (function, T) != fresh or kept + T > common:
-                break
-            kept += T
         last = len(self.tokens) - 1
-        if last > kept and last >= self.window:
-            kept = 0
+        if last <= common or last < self.window:
+            kept = common
+        else:
+            snap = max((s for s in self.snapshots if s.position <= common), key=lambda s: s.position, default=None)
+            kept = snap.position if snap else 0
+            if snap:
+                self._write_rings(snap.rings)
         if kept == 0:
             self.reset()
         else:
             self.rewind(kept)
         return kept
 
+    def prompt(self, ids, marks=()) -> tuple[int, np.ndarray]:
+        """Process a prompt: reuse what the caches hold, feed the rest, and snapshot the rings at
+        its end and at each mark (a position inside it where a later prompt may diverge, e.g. the
+        end of a system turn). Returns (tokens reused, the last token's logits)."""
+        ids = [int(t) for t in ids]
+        kept = self.reuse(ids)
+        stops = sorted({m for m in marks if kept < m < len(ids)} | {len(ids)})
+        for stop in stops:
+            logits = self.feed(ids[self.position : stop], logits="last" if stop == len(ids) else "none")
+            self._snapshot()
+        return kept, logits[-1]
+
+    def _snapshot(self) -> None:
+        """Keep the rings as they are now (the newest MAX_SNAPSHOTS positions); the full caches need
+        no copy: their rows below the position stay valid while the tokens there do."""
+        position = self.position
+        if position == 0 or any(s.position == position for s in self.snapshots):
+            return
+        rings = [
+            {n: c.read_state(s, n) for n in c.interfaces["infer"]["states"] if n == RING} if s is not None else {}
+            for c, s in zip(self.chunks, self.states)
+        ]
+        self.snapshots = sorted(self.snapshots + [Snapshot(position, rings)], key=lambda s: s.position)
+        self.snapshots = self.snapshots[-MAX_SNAPSHOTS:]
+
+    def _write_rings(self, rings: list[dict]) -> None:
+        for chunk, state, arrays in zip(self.chunks, self.states, rings):
+            for name, a in arrays.items():
+                chunk.write_state(state, name, a)
+
     def rewind(self, position: int) -> None:
-        """Forget everything from `position` on (the caller knows the ring still holds the rest)."""
+        """Forget everything from `position` on (the caller knows the rings hold the rest)."""
         self.position = position
         self.tokens = self.tokens[:position]
         self.history = [(p, f, T) for p, f, T in self.history if p + T <= position]
+        self.snapshots = [s for s in self.snapshots if s.position <= position]
 
     # -- running ------------------------------------------------------------------------------------
     def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:

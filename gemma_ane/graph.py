@@ -316,3 +316,9 @@ class TorchChunk:
         with torch.no_grad():
             outs = self.model(*args)
         return {n: o.float().numpy() for n, o in zip(self.model.output_names, outs)}
+
+    def read_state(self, state: dict, name: str) -> np.ndarray:
+        return state[name].float().numpy()  # lossless from fp16/bf16; written back in the cache's dtype
+
+    def write_state(self, state: dict, name: str, array: np.ndarray) -> None:
+        state[name].copy_(torch.from_numpy(np.asarray(array, np.float32)))

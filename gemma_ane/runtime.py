@@ -131,8 +131,7 @@ class Model:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         parser = OutputParser(self.tokenizer, stop)
         t0 = time.perf_counter()
-        reused = self.engine.reuse(ids)
-        logits = self.engine.feed(ids[reused:])[-1]
+        reused, logits = self.engine.prompt(ids)
         sampler = Sampler(params, history=ids)
         generated, finish, t_first = 0, None, None
         while max_tokens:

@@ -6,14 +6,18 @@ import warnings
 import numpy as np
 import pytest
 
-from gemma_ane.engine import ContextOverflow, Engine, FunctionUnavailable
+from gemma_ane.engine import MAX_SNAPSHOTS, RING, ContextOverflow, Engine, FunctionUnavailable
 
 
 class Recorder:
-    def __init__(self, name, log, outputs, functions=("infer",)):
-        self.name, self.log, self.outputs = name, log, outputs
+    """A chunk that logs its calls. With a `window`, it keeps a ring state as a cache does: each
+    row's token id (the host embeds ids as hidden states) lands in slot position mod window."""
+
+    def __init__(self, name, log, outputs, functions=("infer",), window=None):
+        self.name, self.log, self.outputs, self.window = name, log, outputs, window
         types = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs(1).items()}
-        self.interfaces = {f: {"inputs": {}, "outputs": types, "states": {}} for f in functions}
+        states = {RING: {"shape": [window], "dtype": "float32"}} if window else {}
+        self.interfaces = {f: {"inputs": {}, "outputs": types, "states": states} for f in functions}
         self.refuse, self.loads = set(), []
 
     def load(self, function):
@@ -22,11 +26,19 @@ class Recorder:
             raise FunctionUnavailable(f"{self.name}: function {function!r} cannot be loaded on cpu_and_ne")
 
     def make_state(self):
-        return None
+        return {RING: np.zeros(self.window, np.float32)} if self.window else None
+
+    def read_state(self, state, name):
+        return state[name].copy()
+
+    def write_state(self, state, name, array):
+        state[name][...] = array
 
     def predict(self, function, inputs, state):
-        T = inputs["hidden_states"].shape[1]
-        self.log.append((self.name, function, int(inputs.get("current_pos", [-1])[0]), T))
+        T, p0 = inputs["hidden_states"].shape[1], int(inputs.get("current_pos", [-1])[0])
+        self.log.append((self.name, function, p0, T))
+        if state is not None:
+            state[RING][(p0 + np.arange(T)) % self.window] = inputs["hidden_states"][0, :, 0]
         return self.outputs(T)
 
 
@@ -38,13 +50,16 @@ def recording_engine(window=16, context=64, batch=8, kv=()):
         "chunk_3": lambda T: {"logits": np.zeros((1, 1, V))},
     }
     prompt = (f"prefill_b{batch}",) * bool(batch) + tuple(f"prefill_kv_b{T}" for T in kv)
-    chunks = [Recorder(n, log, f, ("infer",) + prompt * (n != "chunk_3")) for n, f in outs.items()]
+    chunks = [
+        Recorder(n, log, f, ("infer",) + prompt * (n != "chunk_3"), window if n == "chunk_1" else None)
+        for n, f in outs.items()
+    ]
 
     class Host:
         rope = {}
 
         def embed(self, ids):
-            return np.zeros((1, len(ids), H)), np.zeros((1, len(ids), PL))
+            return np.repeat(np.asarray(ids, np.float32)[None, :, None], H, axis=2), np.zeros((1, len(ids), PL))
 
     return Engine(chunks, Host(), context=context, window=window, prefill_batch=batch, kv_batches=kv), log
 
@@ -77,38 +92,71 @@ def test_schedule_from_unaligned_position_and_overflow():
 # -- the cache rules -------------------------------------------------------------------------------
 
 
-def test_reuse_keeps_the_steps_a_fresh_run_would_take():
+def ring_of(ids, window=16):
+    """The ring after writing ids at positions 0, 1, ... in order: what a fresh run leaves."""
+    ring = np.zeros(window, np.float32)
+    for p, t in enumerate(ids):
+        ring[p % window] = t
+    return ring
+
+
+def test_reuse_keeps_the_common_prefix_whatever_batches_produced_it():
     engine, log = recording_engine(window=16, context=64)
-    engine.feed(np.arange(12))  # prefill_b8 at 0, then infer at 8-11
-    fresh = engine.plan(0, 12)
-    assert engine.history == [(p, f, T) for p, (f, T) in zip(np.cumsum([0] + [T for _, T in fresh])[:-1], fresh)]
-    # the same prompt again: every step but the last token's is kept, and only it runs again
+    engine.feed(np.arange(4))  # infer x4, where a fresh run of a longer prompt batches 0-7
+    assert engine.reuse(list(range(12))) == 4 and engine.position == 4
+    engine.feed(np.arange(4, 12))
+    # the same prompt again: everything but the last token is kept, and only it runs again
     log.clear()
     assert engine.reuse(list(range(12))) == 11
     assert engine.position == 11 and engine.tokens == list(range(11))
     engine.feed([11])
     assert [(f, p) for n, f, p, _ in log if n == "chunk_1"] == [("infer", 11)]
-
-
-def test_reuse_stops_at_the_first_different_token_and_where_the_steps_differ():
-    engine, _ = recording_engine(window=16, context=64)
-    engine.feed(np.arange(10))  # prefill_b8 at 0, infer at 8 and 9
     assert engine.reuse([0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 100, 101]) == 9  # first difference at index 9
-    engine.reset()
-    engine.feed(np.arange(4))  # infer x4: a fresh run of a longer prompt batches 0-7 instead
-    assert engine.reuse(list(range(12))) == 0
-    assert engine.position == 0 and engine.tokens == [] and engine.history == []
+    assert engine.tokens == list(range(9))
 
 
 def test_reuse_refuses_a_rewind_over_a_wrapped_ring():
     engine, _ = recording_engine(window=16, context=64)
-    ids = list(range(20))
+    ids = list(range(1, 21))
     engine.feed(ids)  # position 19 overwrote ring slot 3: a prefix of 10 needs slots 0-9 intact
     assert engine.reuse(ids[:10] + [99] * 5) == 0
-    engine.reset()
+    assert engine.position == 0 and engine.tokens == [] and engine.history == []
     engine.feed(ids[:15])  # nothing wrapped: rewinding to 10 is exact
     assert engine.reuse(ids[:10] + [99] * 5) == 10
     assert engine.tokens == ids[:10] and engine.position == 10
+
+
+def test_a_snapshot_at_the_prompt_end_keeps_reuse_alive_past_the_wrap():
+    engine, _ = recording_engine(window=16, context=64)
+    ids = list(range(1, 21))
+    assert engine.prompt(ids[:10])[0] == 0  # a prompt: its end (10) is snapshotted
+    engine.feed(ids[10:])  # the answer wraps the ring over slots the prompt's tokens occupied
+    assert engine.states[0][RING][3] == ids[19]
+    assert engine.reuse(ids[:12] + [99] * 5) == 10  # back to the snapshot, not to the common 12
+    np.testing.assert_array_equal(engine.states[0][RING], ring_of(ids[:10]))
+    engine.feed(ids[10:12] + [99] * 5)
+    np.testing.assert_array_equal(engine.states[0][RING], ring_of(ids[:12] + [99] * 5))
+    # a prompt that leaves the snapshot's tokens cannot use it; nor can one after a reset
+    engine.feed(list(range(30, 40)))
+    assert engine.reuse(ids[:9] + [77] * 5) == 0
+    engine.prompt(ids[:10]), engine.reset()
+    assert engine.snapshots == [] and engine.reuse(ids[:10] + [1]) == 0
+
+
+def test_prompt_marks_add_snapshots_and_only_the_newest_are_kept():
+    engine, log = recording_engine(window=16, context=64)
+    ids = list(range(1, 41))
+    kept, logits = engine.prompt(ids[:30], marks=(5, 12, 30, 99))
+    assert kept == 0 and logits.shape == (10,)
+    assert [s.position for s in engine.snapshots] == [5, 12, 30]
+    assert [p for n, _, p, _ in log if n == "chunk_3"] == [29]  # the head runs for the prompt's end only
+    for s in engine.snapshots:
+        np.testing.assert_array_equal(s.rings[0][RING], ring_of(ids[: s.position]))
+    engine.feed(ids[30:])
+    assert engine.reuse(ids[:14] + [0]) == 12  # the newest snapshot inside the common prefix
+    for end in (20, 24, 28, 32, 36):
+        engine.prompt(ids[:end])
+    assert [s.position for s in engine.snapshots] == [24, 28, 32, 36][-MAX_SNAPSHOTS:]
 
 
 def test_a_failed_step_resets_the_caches():
