@@ -312,12 +312,41 @@ class Engine:
         position = self.position
         if position == 0 or any(s.position == position for s in self.snapshots):
             return
-        rings = [
+        self.snapshots = sorted(self.snapshots + [Snapshot(position, self._read_rings())], key=lambda s: s.position)
+        self.snapshots = self.snapshots[-MAX_SNAPSHOTS:]
+
+    def caches(self, position: int) -> list[dict[str, np.ndarray]]:
+        """What the caches hold of tokens[:position], per chunk: each full cache's first `position`
+        slots (axis 2 is the slot axis, CONTRACT §3) and the rings as they were at `position` (a
+        snapshot's, or the current ones at the current position)."""
+        if position == self.position:
+            rings = self._read_rings()
+        else:
+            rings = next((s.rings for s in self.snapshots if s.position == position), None)
+            if rings is None or not 0 < position <= self.position:
+                raise ValueError(f"no caches of exactly {position} tokens here (position {self.position})")
+        return [
+            {**r, **{n: c.read_state(s, n)[:, :, :position] for n in c.interfaces["infer"]["states"] if n != RING}}
+            for c, s, r in zip(self.chunks, self.states, rings)
+        ]
+
+    def restore(self, tokens: list[int], caches: list[dict[str, np.ndarray]]) -> None:
+        """Start over from what `caches(len(tokens))` returned for these tokens (e.g. in another
+        process): fresh states with those rows and rings written in, and a snapshot at their end."""
+        self.reset()
+        for chunk, state, arrays in zip(self.chunks, self.states, caches):
+            for name, a in arrays.items():
+                if name != RING:  # the first len(tokens) slots; the rest stay zero (masked anyway)
+                    a = np.concatenate([a, chunk.read_state(state, name)[:, :, a.shape[2] :]], axis=2)
+                chunk.write_state(state, name, a)
+        self.position, self.tokens = len(tokens), [int(t) for t in tokens]
+        self._snapshot()
+
+    def _read_rings(self) -> list[dict]:
+        return [
             {n: c.read_state(s, n) for n in c.interfaces["infer"]["states"] if n == RING} if s is not None else {}
             for c, s in zip(self.chunks, self.states)
         ]
-        self.snapshots = sorted(self.snapshots + [Snapshot(position, rings)], key=lambda s: s.position)
-        self.snapshots = self.snapshots[-MAX_SNAPSHOTS:]
 
     def _write_rings(self, rings: list[dict]) -> None:
         for chunk, state, arrays in zip(self.chunks, self.states, rings):

@@ -35,13 +35,14 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` beside `path`, then rename it over `path`."""
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (text, or bytes) beside `path`, then rename it over `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
+        mode = {"mode": "w", "encoding": "utf-8", "newline": "\n"} if isinstance(data, str) else {"mode": "wb"}
+        with os.fdopen(fd, **mode) as handle:
+            handle.write(data)
             os.fchmod(handle.fileno(), 0o644)  # mkstemp makes it private; these files are shared
         os.replace(tmp, path)
     except BaseException:

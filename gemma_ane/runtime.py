@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
 from .chat import ChatTemplate, OutputParser
@@ -89,20 +90,41 @@ class Model:
     def prompt_ids(
         self, prompt=None, messages=None, raw: bool = False, enable_thinking: bool = False, system: str | None = None
     ) -> list[int]:
-        if messages is None:
+        if messages is None and raw:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
-            if raw:
-                if system:
-                    raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
-                return [self.config.get("bos_token_id", BOS)] + self.encode(prompt)
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
+            if system:
+                raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
+            return [self.config.get("bos_token_id", BOS)] + self.encode(prompt)
+        messages = _conversation(prompt, messages, system)
         return self.encode(self.template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking))
+
+    def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False) -> list[int]:
+        """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
+        rendering alone is a prefix of it: where a later conversation may part from this one (an
+        edited last message, an answer re-rendered without its thinking), so the engine
+        snapshots its rings there and reuse survives the part."""
+        ends = []
+        for k in range(1, len(messages)):
+            text = self.template.render(messages[:k], add_generation_prompt=False, enable_thinking=enable_thinking)
+            part = self.encode(text)
+            if 0 < len(part) < len(ids) and ids[: len(part)] == part:
+                ends.append(len(part))
+        return ends
 
     def reset(self) -> None:
         self.engine.reset()
+
+    def save_prompt_cache(self, path, position: int | None = None) -> int:
+        """Save the caches of the first `position` cached tokens (default: all of them; otherwise a
+        prompt's end or turn end, where the rings were snapshotted) to `path`; returns `position`."""
+        position = self.engine.position if position is None else position
+        prompt_cache.save(path, self.engine, position, prompt_cache.fingerprint(self.root))
+        return position
+
+    def load_prompt_cache(self, path) -> int:
+        """Start from a file save_prompt_cache wrote for this bundle; returns the tokens it holds."""
+        return prompt_cache.load(path, self.engine, prompt_cache.fingerprint(self.root))
 
     def stream_generate(
         self,
@@ -131,7 +153,12 @@ class Model:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         parser = OutputParser(self.tokenizer, stop)
         t0 = time.perf_counter()
-        reused, logits = self.engine.prompt(ids)
+        marks = (
+            []
+            if raw and messages is None
+            else self.turn_ends(_conversation(prompt, messages, system), ids, enable_thinking)
+        )
+        reused, logits = self.engine.prompt(ids, marks)
         sampler = Sampler(params, history=ids)
         generated, finish, t_first = 0, None, None
         while max_tokens:
@@ -189,6 +216,14 @@ class Model:
         for f in fields(Stats):
             setattr(r, f.name, getattr(ev, f.name))
         return r
+
+
+def _conversation(prompt, messages, system) -> list[dict]:
+    if messages is not None:
+        return messages
+    if prompt is None:
+        raise ValueError("give a prompt or messages")
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
 def load(

@@ -1,0 +1,84 @@
+"""Prompt cache files (issue 19): the caches of a prompt prefix saved with its token ids, so a long
+system prompt is processed once across processes; a file is never misread by another bundle."""
+
+import json
+
+import numpy as np
+import pytest
+
+import gemma_ane
+from gemma_ane.prompt_cache import PromptCacheError
+
+SYSTEM = "You are a careful assistant who answers every question about foxes, rivers and old towns briefly."
+KW = dict(temperature=0, repetition_penalty=2.0, logprobs=3, max_tokens=10)
+
+
+def conversation(question):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_bundle16, tmp_path_factory):
+    """A first process: one question under the long system prompt, its system turn saved."""
+    model = gemma_ane.load(tiny_bundle16, backend="mil")
+    messages = conversation("Where do foxes live?")
+    model.generate(messages=messages, **KW)
+    system_end = model.turn_ends(messages, model.prompt_ids(messages=messages))[0]
+    assert system_end > model.engine.window and model.engine.position > system_end  # the rings wrapped past it
+    path = tmp_path_factory.mktemp("cache") / "system.npz"
+    assert model.save_prompt_cache(path, system_end) == system_end
+    return path, system_end
+
+
+def test_a_saved_system_prompt_is_not_processed_again(tiny_bundle16, saved):
+    path, system_end = saved
+    second = gemma_ane.load(tiny_bundle16, backend="mil")  # another process
+    assert second.load_prompt_cache(path) == system_end
+    question = conversation("And what do they eat in winter?")
+    r = second.generate(messages=question, **KW)
+    assert r.reused_tokens == system_end
+    fresh = gemma_ane.load(tiny_bundle16, backend="mil").generate(messages=question, **KW)
+    assert fresh.reused_tokens == 0 and r.tokens == fresh.tokens
+    np.testing.assert_allclose(r.logprobs, fresh.logprobs, rtol=2e-2, atol=2e-2)
+
+
+def test_a_file_round_trips_the_caches_exactly(tiny_bundle16, saved, tmp_path):
+    path, system_end = saved
+    model = gemma_ane.load(tiny_bundle16, backend="mil")
+    model.load_prompt_cache(path)
+    model.save_prompt_cache(tmp_path / "again.npz")
+    with np.load(path) as a, np.load(tmp_path / "again.npz") as b:
+        assert sorted(a.files) == sorted(b.files)
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        full = a["chunk_1/kv_cache_full"]
+        assert full.shape[2] == system_end and np.any(full[:, :, -1])  # rows up to the save point only
+        assert a["tokens"].tolist() == model.engine.tokens
+
+
+def test_a_file_for_another_bundle_or_a_broken_one_is_refused(tiny_bundle4, tiny_bundle16, saved, tmp_path):
+    path, _ = saved
+    other = gemma_ane.load(tiny_bundle4, backend="mil")
+    with pytest.raises(PromptCacheError, match=r"system.npz: made for another bundle \(bundle '"):
+        other.load_prompt_cache(path)
+    model = gemma_ane.load(tiny_bundle16, backend="mil")
+    (tmp_path / "junk.npz").write_text("not a zip")
+    with pytest.raises(PromptCacheError, match=r"junk.npz: not a prompt cache file"):
+        model.load_prompt_cache(tmp_path / "junk.npz")
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays["chunk_2/kv_cache_sliding"] = arrays["chunk_2/kv_cache_sliding"][:, :, :3]
+    np.savez(tmp_path / "cut.npz", **arrays)
+    with pytest.raises(
+        PromptCacheError, match=r"cut.npz: chunk_2/kv_cache_sliding: expected shape \[\d+, 1, 16, \d+\]"
+    ):
+        model.load_prompt_cache(tmp_path / "cut.npz")
+    meta = json.loads(str(arrays.pop("meta")))
+    np.savez(tmp_path / "ctx.npz", meta=np.array(json.dumps({**meta, "context": 4096})), **arrays)
+    with pytest.raises(PromptCacheError, match=r"ctx.npz: made for another bundle \(context 4096, this one 128\)"):
+        model.load_prompt_cache(tmp_path / "ctx.npz")
+    assert model.engine.position == 0  # nothing half-loaded
+    model.generate("Hi", raw=True, max_tokens=2)
+    with pytest.raises(ValueError, match="no caches of exactly 1 tokens here"):
+        model.save_prompt_cache(tmp_path / "x.npz", 1)  # no snapshot there
+    assert not (tmp_path / "x.npz").exists()
