@@ -386,6 +386,7 @@ class Render:
         self.chat = req.kind == "chat"
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
         self.offset = 0  # legacy logprobs' text_offset
 
     def _envelope(self, chunk: bool) -> dict:
@@ -394,7 +395,12 @@ class Render:
 
     def usage(self) -> dict:
         p, c = self.req.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def _logprobs(self, events) -> dict | None:
         """The logprobs object for these events' tokens, in the endpoint's format."""
@@ -425,6 +431,7 @@ class Render:
 
     def whole(self, events: list) -> dict:
         self.completion_tokens = sum(ev.token is not None for ev in events)
+        self.cached_tokens = events[-1].reused_tokens if events else 0
         text = "".join(ev.text for ev in events)
         finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
         if self.chat:
@@ -467,6 +474,7 @@ class Render:
         elif ev.text or lp:
             out.append(self._chunk({"text": ev.text, "logprobs": lp, "finish_reason": None}))
         if ev.finish_reason:
+            self.cached_tokens = ev.reused_tokens
             end = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk({**end, "logprobs": None, "finish_reason": ev.finish_reason}))
             if self.req.include_usage:

@@ -358,6 +358,22 @@ def test_usage_counts_the_rendered_prompt_and_thinking_switch(server, client, bu
         assert r.usage.prompt_tokens == n_prompt(True) > n_prompt(False), extra
 
 
+def test_a_follow_up_turn_reports_the_prompt_tokens_it_reused(client):
+    """Each turn processes only what is new: usage.prompt_tokens_details.cached_tokens (OpenAI's
+    field) counts the tokens the model's caches already held, past the ring's wrap too."""
+    m1 = msgs("Tell me about the river that runs through the old town")
+    r1 = client.chat.completions.create(model=NAME, messages=m1, max_tokens=12, temperature=0)
+    assert r1.usage.prompt_tokens + 12 > 16  # the 16-slot ring wrapped during turn 1
+    m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "more"}]
+    stream = client.chat.completions.create(
+        model=NAME, messages=m2, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = stream_text(stream)[2]
+    assert usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    r3 = client.chat.completions.create(model=NAME, messages=msgs("something else entirely"), max_tokens=1)
+    assert r3.usage.prompt_tokens_details.cached_tokens < r3.usage.prompt_tokens
+
+
 # -- errors over raw HTTP -------------------------------------------------------------------------
 
 M = msgs("hi")
