@@ -115,6 +115,12 @@ def cmd_convert(a):
 def cmd_inspect(a):
     from .bundle import inspect_bundle
 
+    if a.ane:
+        from .audit import audit_bundle, format_audit
+
+        audit = audit_bundle(a.bundle)
+        print(json.dumps(audit, indent=2) if a.json else format_audit(audit))
+        return 0 if audit["verdict"] == "pass" else 1
     report = inspect_bundle(a.bundle, sha256=not a.no_sha)
     if a.json:
         print(json.dumps(report, indent=2))
@@ -308,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("bundle")
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-sha", action="store_true", help="check manifest sizes only, not sha256")
+    s.add_argument(
+        "--ane",
+        action="store_true",
+        help="audit each program against the Neural Engine's published rules (exit 1 unless it passes)",
+    )
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("generate", help="generate text from a prompt")

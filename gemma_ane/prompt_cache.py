@@ -59,6 +59,10 @@ def save(path, engine: Engine, position: int, bundle: str) -> None:
 
 def load(path, engine: Engine, bundle: str) -> int:
     """Restore the engine from a file `save` wrote for this bundle; returns the tokens it holds."""
+    if not Path(path).is_file():
+        raise PromptCacheError(f"{path}: no such prompt cache file")
+    if not zipfile.is_zipfile(path):
+        raise PromptCacheError(f"{path}: not a prompt cache file (not an .npz archive)")
     try:
         with np.load(path, allow_pickle=False) as f:
             files = {k: f[k] for k in f.files}

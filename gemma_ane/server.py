@@ -715,8 +715,10 @@ def serve(
     backend: str = "auto",
     api_key: str | None = None,
     max_queue: int = 16,
+    prompt_cache: str | None = None,
 ) -> None:
-    """Load `bundle` and serve it until interrupted."""
+    """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
+    file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again."""
     import uvicorn
 
     from .runtime import load
@@ -729,6 +731,8 @@ def serve(
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     model = load(bundle, backend=backend)
+    if prompt_cache:
+        log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
     app = build_app(model, model_name=Path(bundle).resolve().name, api_key=api_key, max_queue=max_queue)
     # a stream still open at shutdown is cut after 5 s rather than holding the process
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
@@ -745,6 +749,7 @@ def _cmd_serve(a) -> int:
         backend=a.backend,
         api_key=a.api_key or os.environ.get(API_KEY_ENV),
         max_queue=a.max_queue,
+        prompt_cache=a.prompt_cache,
     )
     return 0
 
@@ -761,6 +766,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="requests that may wait behind the running one; more get 429 (default 16)",
     )
+    p.add_argument("--prompt-cache", metavar="FILE", help="start from the caches saved in FILE (see generate)")
     p.set_defaults(fn=_cmd_serve)
 
 

@@ -587,9 +587,11 @@ def test_full_queue_answers_429_and_recovers(server):
     assert r.json()["choices"][0]["text"] == server.reference.generate(raw=True, **after).text
 
 
-def test_serve_argument_errors_are_one_line(tmp_path):
+def test_serve_argument_errors_are_one_line(tmp_path, bundle):
+    (tmp_path / "junk.npz").write_text("not a zip")
     for args, needle in (
         ([str(tmp_path / "missing")], "not a bundle directory"),
+        ([str(bundle), "--backend", "mil", "--prompt-cache", str(tmp_path / "junk.npz")], "junk.npz: not a prompt"),
         ([str(tmp_path), "--max-queue", "-1"], "max_queue"),
         ([str(tmp_path), "--port", "70000"], "port"),
     ):

@@ -36,6 +36,7 @@ def test_runtime_and_executor_stand_alone(tiny_bundle16):
 
 PACKAGE = Path(__file__).parent.parent / "gemma_ane"
 RUNTIME = {
+    "audit",
     "backend",
     "bundle",
     "chat",
@@ -44,6 +45,7 @@ RUNTIME = {
     "host",
     "mil",
     "package",
+    "prompt_cache",
     "runtime",
     "sampling",
     "server",
