@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 from .bundle import BundleError
 from .checkpoint import CheckpointError
@@ -164,9 +166,12 @@ def cmd_generate(a):
     from . import load
 
     model = load(a.bundle, backend=a.backend)
+    _load_cache(model, a.prompt_cache)
     kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
     if a.json:
-        print(json.dumps(dataclasses.asdict(model.generate(a.prompt, **kw))))
+        result = model.generate(a.prompt, **kw)
+        _save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
+        print(json.dumps(dataclasses.asdict(result)))
         return 0
     for ev in model.stream_generate(a.prompt, **kw):
         if ev.reasoning:
@@ -175,7 +180,25 @@ def cmd_generate(a):
         sys.stdout.flush()
     sys.stdout.write("\n")
     print(_summary(ev), file=sys.stderr)
+    _save_cache(model, a.prompt_cache, ev.prompt_tokens, a.system, a.prompt, a.think)
     return 0
+
+
+def _load_cache(model, path) -> None:
+    if path and os.path.exists(path):
+        print(f"prompt cache {path}: {model.load_prompt_cache(path)} tokens", file=sys.stderr)
+
+
+def _save_cache(model, path, prompt_tokens: int, system, prompt, think: bool) -> None:
+    """Save the caches of the system turn (without one, of the whole prompt) for the next run."""
+    if not path:
+        return
+    ends = []
+    if system:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        ends = model.turn_ends(messages, model.prompt_ids(messages=messages, enable_thinking=think), think)
+    position = model.save_prompt_cache(path, ends[0] if ends else prompt_tokens)
+    print(f"prompt cache {path}: saved {position} tokens", file=sys.stderr)
 
 
 def _summary(last) -> str:
@@ -191,6 +214,7 @@ def cmd_chat(a):
     from . import load
 
     model = load(a.bundle, backend=a.backend)
+    _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
     interactive = sys.stdin.isatty()
     while True:
@@ -232,6 +256,8 @@ def cmd_chat(a):
             sys.stdout.flush()
             answer += ev.text
         sys.stdout.write("\n")
+        if len(messages) == 1:  # the first turn of a conversation: its system turn is what recurs
+            _save_cache(model, a.prompt_cache, ev.prompt_tokens, system, line, think)
         messages.append({"role": "assistant", "content": answer})
     return 0
 
@@ -258,6 +284,11 @@ def _add_sampling(s):
     s.add_argument("--min-p", type=float)
     s.add_argument("--repetition-penalty", type=float)
     s.add_argument("--seed", type=int)
+    s.add_argument(
+        "--prompt-cache",
+        metavar="FILE",
+        help="start from the caches saved in FILE (if it exists); save the system turn's (or the prompt's) there",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,6 +403,8 @@ _OPTIONAL = {
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # warnings (a function the device refuses, a bundle's RoPE tables) as one line, not a source dump
+    warnings.formatwarning = lambda message, *_, **__: f"gemma-ane {args.command}: warning: {message}\n"
     try:
         return args.fn(args) or 0
     except (ConfigError, CheckpointError, BundleError, PackageError, FileExistsError, ValueError, OSError) as e:

@@ -82,3 +82,19 @@ def test_a_file_for_another_bundle_or_a_broken_one_is_refused(tiny_bundle4, tiny
     with pytest.raises(ValueError, match="no caches of exactly 1 tokens here"):
         model.save_prompt_cache(tmp_path / "x.npz", 1)  # no snapshot there
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_the_cli_saves_the_system_turn_and_the_next_run_starts_from_it(tiny_bundle16, tmp_path, capsys):
+    from gemma_ane.cli import main
+
+    path = tmp_path / "system.npz"
+    args = ["--system", SYSTEM, "--prompt-cache", str(path), "--max-tokens", "3", "--temperature", "0"]
+    args += ["--backend", "mil"]
+    assert main(["generate", str(tiny_bundle16), "-p", "Where do foxes live?", *args]) == 0
+    saved = int(capsys.readouterr().err.split(": saved ")[1].split()[0])
+    assert main(["generate", str(tiny_bundle16), "-p", "What do they eat?", *args]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt cache {path}: {saved} tokens" in err and f"tokens ({saved} reused)" in err
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really")
+    assert main(["generate", str(tiny_bundle16), "-p", "x", "--prompt-cache", str(tmp_path / "junk.npz")]) == 2
+    assert "junk.npz: not a prompt cache file" in capsys.readouterr().err
