@@ -202,11 +202,15 @@ class Engine:
 
         KV-only batches produce no logits: prompt tokens before the last one go through the
         largest one that starts aligned at the position and fits (T divides the window, so an
-        aligned batch never wraps the ring), never when every position's logits are wanted.
-        Otherwise batches of `prefill_batch` run only where they are exactly causal (inside the
-        first pass of the ring). Everything else, and always the last token, goes through `infer`.
+        aligned batch never wraps the ring), never when every position's logits are wanted. A
+        prompt resumed at an unaligned position (after prefix reuse) first takes `infer` steps to
+        the next multiple of the smallest, when a batch still fits after them: a few single steps
+        cost less than running every layer on the rest. Otherwise batches of `prefill_batch` run
+        only where they are exactly causal (inside the first pass of the ring). Everything else,
+        and always the last token, goes through `infer`.
         """
         steps, p, i, B = [], p0, 0, self.prefill_batch
+        small = min(self.kv_batches, default=0)
         while i < n:
             kv = (
                 next((T for T in self.kv_batches if p % T == 0 and T <= n - i - 1 and p + T <= self.context), None)
@@ -215,6 +219,8 @@ class Engine:
             )
             if kv:
                 steps.append((f"prefill_kv_b{kv}", kv))
+            elif small and logits != "all" and p % small and n - i - 1 - (-p % small) >= small:
+                steps.append(("infer", 1))  # toward alignment
             elif (
                 B
                 and B > 1

@@ -161,3 +161,31 @@ def test_ane_bench_quick_through_the_core_ml_standin(tiny_bundle16, capsys):
     # every segment of the soak replays the same steps: on one executor, drift is exactly zero
     assert "soak: 200/200 steps, max logits drift between segments 0\n" in out + "\n"
     assert {f for _, _, f in standin.loads} == {"infer", "prefill_b8", "prefill_kv_b8"}
+
+
+def test_chat_reuse_quick(tiny_bundle16):
+    """The table's shape and arithmetic on a chat that wraps the ring (window 16). How much is
+    reused is the engine's business, not asserted here."""
+    out = run("chat_reuse.py", "--bundle", tiny_bundle16, "--backend", "mil")
+    assert "window 16, context 128" in out and "answers equal in both passes:" in out
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    header, turns, total = rows[0], rows[1:-1], rows[-1]
+    assert len(header) == 10 and header[0] == "turn" and [r[0] for r in turns] == ["1", "2", "3", "4"]
+    assert total[0] == "total"
+    num = [[int(c) for c in r[1:6] + r[7:9]] for r in turns]
+    for prompt, new, answer, reused, processed, reused0, processed0 in num:
+        assert processed == prompt - reused and 0 <= reused < prompt
+        assert reused0 == 0 and processed0 == prompt  # the caches were emptied before each turn
+        assert 0 < new <= processed and 0 < answer <= 6  # what was never cached must be processed
+    assert num[0][1] == num[0][0] and all(r[1] < r[0] for r in num[1:])  # later turns extend earlier ones
+    assert all(a[0] < b[0] for a, b in zip(num, num[1:])) and num[-1][0] > 16  # the conversation grows past the window
+    assert [int(c) for c in total[1:6] + total[7:9]] == [sum(c) for c in zip(*num)]
+    assert all(float(r[i].removesuffix(" s")) > 0 for r in turns for i in (6, 9))
+
+
+def test_ane_audit_quick(tiny_bundle16):
+    out = run("ane_audit.py", tiny_bundle16)
+    assert "inspect" in out and "**pass**" in out and "Neural Engine audit: pass" in out
+    # tiny_bundle16's rings: chunk_1 and chunk_2 each (8, 1, 16, 64) fp16
+    assert "- ring snapshot (every `kv_cache_sliding` state): 0.033 MB" in out
+

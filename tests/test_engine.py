@@ -170,6 +170,17 @@ def test_a_failed_step_resets_the_caches():
     assert engine.position == 0 and engine.tokens == [] and engine.history == []
 
 
+def test_a_prompt_resumed_unaligned_steps_to_alignment_then_takes_kv_batches():
+    engine, _ = recording_engine(window=512, context=2048, kv=(64, 8))
+    fresh = engine.plan(0, 155)
+    assert fresh[:2] == [("prefill_kv_b64", 64)] * 2 and fresh[-1] == ("infer", 1)
+    resumed = engine.plan(155, 154)  # 155 = 8 * 19 + 3: five single steps reach 160
+    assert resumed[:6] == [("infer", 1)] * 5 + [("prefill_kv_b8", 8)]
+    assert ("prefill_kv_b64", 64) in resumed and sum(T for _, T in resumed) == 154
+    assert engine.plan(155, 10) == [("prefill_b8", 8)] + [("infer", 1)] * 2  # no KV batch fits after aligning
+    assert engine.plan(155, 154, logits="all")[0] == ("prefill_b8", 8)  # logits everywhere: no KV batches
+
+
 def test_a_refused_function_leaves_the_prompt_paths_with_one_warning():
     """A device that cannot load prefill_b8 (an ANE compile failure): the prompt runs through what
     remains, the function is loaded only when first planned, and the warning comes once."""
