@@ -250,6 +250,31 @@ def test_generate_through_coreml_equals_the_mil_backend(tiny_bundle16, standin):
     assert {f for _, _, f in standin.loads} == {"infer", "prefill_kv_b8"}  # loaded when used: prefill_b8 never was
 
 
+def test_reuse_past_the_wrap_and_a_prompt_cache_through_mlstate(tiny_bundle16, standin, tmp_path):
+    """Ring snapshots and prompt cache files go through MLState.read_state / write_state (float32
+    across the bridge): the same reuse and the same tokens as the MIL backend."""
+    turn1 = [{"role": "user", "content": "Tell me a story about a fox"}]
+    kw = dict(temperature=0, max_tokens=12)
+
+    def chat(model):
+        r1 = model.generate(messages=turn1, **kw)
+        turn2 = turn1 + [{"role": "assistant", "content": "Well. " + r1.text}, {"role": "user", "content": "more"}]
+        r2 = model.generate(messages=turn2, **kw)
+        model.save_prompt_cache(tmp_path / f"{model.backend}.npz", r1.prompt_tokens)
+        return r1, r2
+
+    mil, coreml = gemma_ane.load(tiny_bundle16, backend="mil"), gemma_ane.load(tiny_bundle16, backend="coreml")
+    (m1, m2), (c1, c2) = chat(mil), chat(coreml)
+    assert c2.reused_tokens == m2.reused_tokens == m1.prompt_tokens > coreml.engine.window
+    assert (c1.tokens, c2.tokens) == (m1.tokens, m2.tokens)
+    with np.load(tmp_path / "mil.npz") as a, np.load(tmp_path / "coreml.npz") as b:
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    fresh = gemma_ane.load(tiny_bundle16, backend="coreml")
+    assert fresh.load_prompt_cache(tmp_path / "mil.npz") == m1.prompt_tokens
+    assert fresh.generate(messages=turn1, **kw).tokens == m1.tokens
+
+
 def test_a_function_the_neural_engine_refuses_falls_back_to_infer(tiny_bundle16):
     """CoreML-LLM reports every T>1 stateful function failing ANE compilation on A19 Pro: the prompt
     then runs through infer, with one warning per refused function, and the tokens are those of the
