@@ -188,4 +188,3 @@ def test_ane_audit_quick(tiny_bundle16):
     assert "inspect" in out and "**pass**" in out and "Neural Engine audit: pass" in out
     # tiny_bundle16's rings: chunk_1 and chunk_2 each (8, 1, 16, 64) fp16
     assert "- ring snapshot (every `kv_cache_sliding` state): 0.033 MB" in out
-
