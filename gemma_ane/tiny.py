@@ -56,6 +56,24 @@ PRESETS = {
         attention_k_eq_v=True,
         num_global_key_value_heads=1,
     ),
+    # E4B's structure scaled down: 5:1 sliding/full, two KV heads in every layer (no K=V, no
+    # separate full-layer KV head count), no double-wide MLP, the last layers KV-shared with the
+    # last producer of each type (E4B: 18 of 42 shared, producers 22 and 23; here 5 of 12, 5 and 6).
+    "e4b-mini": dict(
+        vocab_size=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=16,
+        intermediate_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=5,
+        use_double_wide_mlp=False,
+        sliding_window=16,
+        layer_types=[S, S, S, S, S, F] * 2,
+    ),
     # E2B's real widths (hidden 1536, 8 query heads, head dims 256/512, MLP 6144 / 12288, PLE 256,
     # window 512) with only 6 layers and a small vocabulary: catches shape assumptions that only
     # show at full width, at a size a test can convert.
