@@ -303,6 +303,36 @@ def test_a_function_the_neural_engine_refuses_falls_back_to_infer(tiny_bundle16)
                 gemma_ane.load(tiny_bundle16, backend="coreml")
 
 
+def test_chat_and_serve_through_coreml_as_a_mac_user_runs_them(tiny_bundle16, standin, monkeypatch, capsys):
+    """The README's Mac path beyond generate: `gemma-ane chat` and the OpenAI server, on the Core ML
+    backend (coremltools over the stand-in), answer as the MIL backend does."""
+    import io
+
+    from starlette.testclient import TestClient
+
+    from gemma_ane.cli import main
+    from gemma_ane.server import build_app
+
+    script = "Hello there\nAnd again\n"
+    answers = []
+    for backend in ("mil", "coreml"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+        argv = ["chat", str(tiny_bundle16), "--backend", backend, "--max-tokens", "6", "--temperature", "0"]
+        assert main([*argv, "--repetition-penalty", "2"]) == 0  # the penalty keeps the tiny model off newlines
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and len("".join(answers[0].split())) >= 4
+
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8, "temperature": 0}
+    body["repetition_penalty"] = 2.0
+    replies = []
+    for backend in ("mil", "coreml"):
+        with TestClient(build_app(gemma_ane.load(tiny_bundle16, backend=backend), model_name="b")) as http:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            replies.append(r.json()["choices"][0]["message"]["content"])
+    assert replies[0] == replies[1] and replies[0].strip()
+
+
 # -- compiled bundles: interfaces from what the bundle states ----------------------------------------
 
 
