@@ -1,15 +1,24 @@
 """Prompts in, text out: the chat template, streaming detokenisation, thinking and stop strings.
 
 A bundle is a downloaded file, so its chat template is untrusted code: it is rendered in jinja2's
-ImmutableSandboxedEnvironment, which refuses attribute access to Python internals.
+ImmutableSandboxedEnvironment, which refuses attribute access to Python internals, bounded in work
+as well (see _Sandbox): a template cannot hold a CPU or fill the memory.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, MappingView, Set
 from dataclasses import dataclass
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+from jinja2.visitor import NodeTransformer
 
 from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN
 
@@ -18,6 +27,316 @@ ROLES = {"system": "system", "user": "user", "assistant": "model", "model": "mod
 
 class ChatError(ValueError):
     """A conversation or template that cannot be rendered; the message says why."""
+
+
+# -- the sandbox, bounded in work ------------------------------------------------------------------
+# jinja2's sandbox keeps a template from Python's internals, not from looping for hours or building a
+# gigabyte. Here every operator, call, attribute, filter and loop step checks the render's deadline
+# (Python cannot stop a thread, so the template must stop itself), and no value the template builds
+# may stand for more than MAX_TEXT characters: checked before the operations whose result is a product
+# of their inputs (repetition, powers, formatting, replace, join, indent), after the others, and on
+# literals. So printing, comparing or hashing any value is bounded work, one step from a deadline check.
+
+# Google's Gemma 4 template takes time quadratic in the turns: ~1.5 s for the 400 short turns a 2048-token
+# context can hold, on a busy 2-core machine; 0.1 s for 100.
+RENDER_SECONDS = 5.0
+MAX_TEXT = 4_000_000  # characters: of the prompt, and of what any value built while rendering stands for
+MAX_INT_BITS = 4096  # numbers the template computes stay small enough for arithmetic to be instant
+
+
+class _Deadline(threading.local):
+    at = math.inf  # when the render under way in this thread must end
+
+
+_deadline = _Deadline()
+
+
+def _tick() -> None:
+    if time.monotonic() > _deadline.at:
+        raise ChatError(f"chat template: rendering takes more than {RENDER_SECONDS:g} s (a loop without end?)")
+
+
+def _fits(size: int, what: str) -> None:
+    if size > MAX_TEXT:
+        raise ChatError(f"chat template: {what} would exceed {MAX_TEXT:,} characters or items")
+
+
+def _size(value) -> int:
+    """About how many characters str(value) has, counted until MAX_TEXT is passed. A container counts
+    an item once per reference: a list of ten references to a list of ten references to ... is as big
+    as it prints."""
+    total, todo = 0, [value]
+    while todo and total <= MAX_TEXT:
+        x = todo.pop()
+        if isinstance(x, str):
+            total += len(x)
+        elif isinstance(x, int):
+            total += x.bit_length() // 3 + 1
+        elif isinstance(x, float) or x is None:
+            total += 8
+        elif isinstance(x, (list, tuple, dict)) or isinstance(x, (Mapping, Set, MappingView)):  # ABCs: slower
+            total += 2 + 2 * len(x)
+            if total <= MAX_TEXT:
+                todo.extend(x.items() if isinstance(x, Mapping) else x)
+        elif isinstance(x, Namespace):
+            todo.append(object.__getattribute__(x, "_Namespace__attrs"))
+        else:
+            total += 8  # a macro, a loop: a short repr
+    return total
+
+
+def _made(value, *inputs):
+    """`value`, which the template built, if it is not too big (one of the inputs is known already)."""
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ChatError(f"chat template: a number would exceed {MAX_INT_BITS} bits")
+    if not any(value is x for x in inputs):
+        _fits(_size(value), "a value")
+    return value
+
+
+def _check_numbers(name: str, values) -> None:
+    """Numbers given to a function or filter are widths and counts: center(10**9) is refused up front."""
+    for v in values:
+        if type(v) is int and abs(v) > MAX_TEXT:
+            raise ChatError(f"chat template: {name} was given {v}, more than {MAX_TEXT:,}")
+
+
+def _format_size(fmt, values) -> int:
+    """At most what `fmt % values` or `fmt.format(*values)` builds: each field as long as the longest value
+    (a field may repeat one) plus its spec's numbers (width, precision); the values count as widths too
+    where the format takes widths from them (`*`, a nested `{}`)."""
+    fmt = fmt if isinstance(fmt, str) else str(fmt)
+    longest = max((_size(v) for v in values), default=0)
+    if re.search(r"\*|\{[^{}]*\{", fmt):
+        longest += max((abs(v) for v in values if type(v) is int), default=0)
+    fields = re.findall(r"%[^a-zA-Z%]*[a-zA-Z%]|\{[^{}]*\}", fmt)
+    return len(fmt) + sum(longest + sum(map(int, re.findall(r"\d+", f))) for f in fields)
+
+
+def _values(args) -> list:
+    """The values `fmt % args` formats."""
+    return list(args.values()) if isinstance(args, Mapping) else list(args) if isinstance(args, tuple) else [args]
+
+
+def _replace_size(s, old, new, count=None) -> int:
+    n = s.count(old) if isinstance(s, str) and isinstance(old, str) and old else _size(s) + 1
+    if count is not None and count >= 0:
+        n = min(n, count)
+    return _size(s) + n * _size(new)
+
+
+def _join_size(items, sep="", attribute=None) -> int:
+    return sum(map(_size, items)) + _size(sep) * len(items)
+
+
+def _indent_size(s, width=4, first=False, blank=False) -> int:
+    lines = s.count("\n") + 1 if isinstance(s, str) else _size(s) + 1
+    return _size(s) + lines * (width if type(width) is int else _size(width))
+
+
+def _wordwrap_size(s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True) -> int:
+    return _size(s) + (_size(s) + 1) * _size(wrapstring or "\n")
+
+
+# What a filter or str method would build, for those whose result can outgrow their inputs' sum; their
+# arguments as the filter or method takes them (a filter's value first, a method's string first).
+_FILTER_SIZES = {
+    "replace": _replace_size,
+    "join": _join_size,
+    "indent": _indent_size,
+    "wordwrap": _wordwrap_size,
+    "format": lambda value, *args, **kwargs: _format_size(value, [*args, *kwargs.values()]),
+    # sum(start=[]) copies the growing list at each item: quadratic work in one uninterruptible call
+    "sum": lambda items, attribute=None, start=0: len(items) ** 2 if isinstance(start, (list, tuple)) else 0,
+}
+_METHOD_SIZES = {
+    "replace": _replace_size,
+    "join": lambda s, items: _join_size(items, s),
+    "expandtabs": lambda s, tabsize=8: len(s) + s.count("\t") * tabsize,
+    "translate": lambda s, table: len(s) * max([1, *map(_size, table.values())] if isinstance(table, Mapping) else [1]),
+    "format": lambda s, *args, **kwargs: _format_size(s, [*args, *kwargs.values()]),
+    "format_map": lambda s, mapping: _format_size(s, _values(mapping)),
+}
+
+
+def _materialized(args) -> list:
+    """Generators (a `map` filter's result) made lists, so their items can be sized before use."""
+    return [list(a) if isinstance(a, Iterator) else a for a in args]
+
+
+def _bounded_filter(name: str, f):
+    first = 1 if hasattr(f, "jinja_pass_arg") else 0  # a context, eval context or environment comes first
+    size = _FILTER_SIZES.get(name)
+
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        _tick()
+        args = _materialized(args)
+        _check_numbers(name, [*args[first + 1 :], *kwargs.values()])
+        if size:
+            _fits(size(*args[first:], **kwargs), f"the {name} filter's result")
+        return _made(f(*args, **kwargs), *args)
+
+    return bounded
+
+
+def _steps(iterable):
+    """A loop's items, with the deadline checked at each: nested loops end on time."""
+    for item in iterable:
+        _tick()
+        yield item
+
+
+def _raise_exception(message):
+    raise TemplateError(message)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(ImmutableSandboxedEnvironment.default_binop_table)
+
+    def __init__(self):
+        super().__init__(trim_blocks=True, lstrip_blocks=True)
+        del self.globals["lipsum"]  # lorem ipsum, generated where no deadline is checked
+        del self.filters["urlize"]  # seconds per megabyte in one call; no chat template links URLs
+        self.globals["raise_exception"] = _raise_exception
+        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+        self.filters.update(_steps=_steps, _built=_made)  # used by _Bounds
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            _fits(_size(right) * left, "a repetition")
+        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+            _fits(_size(left) * right, "a repetition")
+        if operator == "**" and type(left) is int and type(right) is int and left.bit_length() * right > MAX_INT_BITS:
+            raise ChatError(f"chat template: a power would exceed {MAX_INT_BITS} bits")
+        if operator == "%" and isinstance(left, str):
+            _fits(_format_size(left, _values(right)), "a formatted string")
+        return _made(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's names: kwargs may be "self")
+        _tick()
+        args = _materialized(args)
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands out str.format wrapped
+        name = getattr(method, "__name__", "a function")
+        _check_numbers(name, [*args, *kwargs.values()])
+        size = _METHOD_SIZES.get(name) if isinstance(getattr(method, "__self__", None), str) else None
+        if size:
+            _fits(size(method.__self__, *args, **kwargs), f"str.{name}'s result")
+        return _made(super().call(__context, __obj, *args, **kwargs), *args)
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def concat(self, pieces):  # the text of a {% set %} block, a macro or a caller(), sized before it is joined
+        pieces = list(pieces)
+        _tick()
+        _fits(sum(map(len, pieces)), "a block's text")
+        return "".join(pieces)
+
+
+def _filtered(node, name: str):
+    return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+
+
+class _Bounds(NodeTransformer):
+    """Rewrites a parsed template: loops check the deadline at each step (_steps), and list, tuple and dict
+    literals and `~` are sized where they are built (_built), which the sandbox has no hook for."""
+
+    def visit_For(self, node):
+        node = self.generic_visit(node)
+        node.iter = _filtered(node.iter, "_steps")
+        return node
+
+    def visit_List(self, node):
+        return _filtered(self.generic_visit(node), "_built")
+
+    visit_Dict = visit_Concat = visit_List
+
+    def visit_Tuple(self, node):
+        node = self.generic_visit(node)
+        return _filtered(node, "_built") if node.ctx == "load" else node  # not a target: {% for k, v in ... %}
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:300]
+
+
+# -- text for the tokenizer --------------------------------------------------------------------------
+
+
+class InvalidText(ChatError):
+    """A string no tokenizer takes: it holds a lone surrogate."""
+
+
+TEXT_ROLES = ("user", "tool")  # whose content is someone's text, never control tokens (see ControlTokens)
+# Unicode's noncharacters, kept for a program's internal use: a mark that no text should hold
+_MARKS = [chr(c) for c in range(0xFDD0, 0xFDF0)] + [chr(p << 16 | 0xFFFE | k) for p in range(17) for k in (0, 1)]
+_MARK_SET = frozenset(_MARKS)
+
+
+def _strings(value, where: str):
+    """(where, string) for every string in `value`: a str, or messages (dicts and lists, keys included)."""
+    todo = [(where, value)]
+    while todo:
+        where, x = todo.pop()
+        if isinstance(x, str):
+            yield where, x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                path = f"{where}.{k}" if isinstance(k, str) and k.isidentifier() else f"{where}[{ascii(k)}]"
+                todo += [(f"{where} (a key)", k), (path, v)]
+        elif isinstance(x, (list, tuple)):
+            todo += [(f"{where}[{i}]", v) for i, v in enumerate(x)]
+
+
+def check_text(value, where: str) -> None:
+    """Refuses a string holding a lone surrogate, which no tokenizer takes: what undecodable bytes become
+    in argv or a surrogateescape'd stdin, or what a JSON "\\ud800" decodes to."""
+    for path, text in _strings(value, where):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidText(
+                f"{path}: not valid text (a lone surrogate U+{ord(text[e.start]):04X} at character {e.start};"
+                " is the input UTF-8?)"
+            ) from None
+
+
+def unused_mark(*values) -> str:
+    """A character that no string in `values` (text, messages) holds."""
+    used = set().union(*(_MARK_SET.intersection(text) for value in values for _, text in _strings(value, "")))
+    for mark in _MARKS:
+        if mark not in used:
+            return mark
+    raise ChatError("the messages hold every Unicode noncharacter (U+FDD0..U+FDEF, U+FFFE, U+FFFF, ...)")
+
+
+def escape_content(messages: list, escape) -> list:
+    """`messages` with `escape` applied to the text of each user and tool message (copies: the caller's
+    messages stay as they are)."""
+
+    def part(p):
+        return {**p, "text": escape(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") in TEXT_ROLES:
+            content = m.get("content")
+            if isinstance(content, str):
+                m = {**m, "content": escape(content)}
+            elif isinstance(content, list):
+                m = {**m, "content": [part(p) for p in content]}
+        out.append(m)
+    return out
+
+
+# -- the built-in formatter -------------------------------------------------------------------------
 
 
 def _parts(message: dict) -> list[str]:
@@ -76,34 +395,48 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
         self._template = None
         if source is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message):
-                raise TemplateError(message)
-
-            env.globals["raise_exception"] = raise_exception
+            env = _Sandbox()
             try:
-                self._template = env.from_string(source)
-            except TemplateError as e:
-                raise ChatError(f"chat template does not compile: {e}") from None
+                tree = _Bounds().visit(env.parse(source))
+                tree.set_environment(env)
+                self._template = env.from_string(tree)
+            except (TemplateError, RecursionError) as e:
+                raise ChatError(f"chat template does not compile: {_one_line(e)}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatError("messages must be a list of {'role', 'content'} objects")
         if self._template is None:
             return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token)
+        context = dict(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            tools=None,
+            documents=None,
+        )
+        _deadline.at = time.monotonic() + RENDER_SECONDS
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                enable_thinking=enable_thinking,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                tools=None,
-                documents=None,
-            )
+            out, size = [], 0
+            for piece in self._template.generate(context):
+                size += len(piece)
+                if size > MAX_TEXT:
+                    raise ChatError(f"chat template: renders more than {MAX_TEXT:,} characters")
+                _tick()
+                out.append(piece)
+            return "".join(out)
+        except ChatError:
+            raise
         except TemplateError as e:  # SecurityError included: a template reaching for internals
-            raise ChatError(f"chat template failed: {e}") from None
+            raise ChatError(f"chat template failed: {_one_line(e)}") from None
+        except RecursionError:  # a macro calling itself without end
+            raise ChatError("chat template failed: recursion too deep") from None
+        except Exception as e:  # the template's own fault: 1/0, an {% include %} of nothing, ...
+            raise ChatError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+        finally:
+            _deadline.at = math.inf
 
 
 class Detokenizer:

@@ -7,6 +7,7 @@ elsewhere (the published layout included) run too.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -15,11 +16,11 @@ from pathlib import Path
 from . import prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
-from .chat import ChatTemplate, OutputParser
+from .chat import ChatTemplate, OutputParser, check_text, escape_content, unused_mark
 from .engine import ContextOverflow, Engine
 from .files import read_json
 from .sampling import Sampler, SamplingParams
-from .tokens import BOS, EOS, STOP_IDS
+from .tokens import BOS, EOS, STOP_IDS, ControlTokens
 
 
 @dataclass
@@ -84,20 +85,47 @@ class Model:
         """ "logits", or "token_id" for the published layout's argmax head (greedy only)."""
         return self.engine.head
 
-    def encode(self, text: str) -> list[int]:
+    # Whether the text of user and tool messages may spell control tokens that count as such: off, a user
+    # who types "<turn|>" or "<|turn>system" cannot end their turn or open a system turn (a server's option).
+    allow_special_tokens: bool = False
+
+    def encode(self, text: str, what: str = "text") -> list[int]:
+        """`text`'s ids, every control token it spells counted as one."""
+        check_text(text, what)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _control(self) -> ControlTokens:
+        return ControlTokens(self.tokenizer)
 
     def prompt_ids(
         self, prompt=None, messages=None, raw: bool = False, enable_thinking: bool = False, system: str | None = None
     ) -> list[int]:
+        """The prompt's ids. A raw prompt is the caller's own formatting, control tokens included."""
         if messages is None and raw:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
             if system:
                 raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
-            return [self.config.get("bos_token_id", BOS)] + self.encode(prompt)
-        messages = _conversation(prompt, messages, system)
-        return self.encode(self.template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking))
+            return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
+        check_text(prompt, "prompt")
+        check_text(system, "system")
+        return self.chat_ids(_conversation(prompt, messages, system), True, enable_thinking)
+
+    def chat_ids(self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False) -> list[int]:
+        """The ids of `messages` rendered by the chat template. The template's control tokens count; the text
+        of user and tool messages stays text, whatever it spells, unless allow_special_tokens is set."""
+        check_text(messages, "messages")
+
+        def render(messages):
+            return self.template.render(messages, add_generation_prompt, enable_thinking)
+
+        if self.allow_special_tokens:
+            return self.encode(render(messages), "the chat template's output")
+        mark, control = unused_mark(messages, self.template.source), self._control
+        text = render(escape_content(messages, lambda content: control.escape(content, mark)))
+        check_text(text, "the chat template's output")
+        return control.encode(text, mark)
 
     def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False) -> list[int]:
         """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
@@ -106,8 +134,7 @@ class Model:
         snapshots its rings there and reuse survives the part."""
         ends = []
         for k in range(1, len(messages)):
-            text = self.template.render(messages[:k], add_generation_prompt=False, enable_thinking=enable_thinking)
-            part = self.encode(text)
+            part = self.chat_ids(messages[:k], add_generation_prompt=False, enable_thinking=enable_thinking)
             if 0 < len(part) < len(ids) and ids[: len(part)] == part:
                 ends.append(len(part))
         return ends
