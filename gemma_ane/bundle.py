@@ -16,7 +16,7 @@ import numpy as np
 from .engine import Engine, HostTables
 from .files import FileFormatError, read_json, sha256_file, tree_size
 from .host import rope_tables, rotated_pairs
-from .package import Package, macs, weight_bytes
+from .package import Package, PackageError, macs, weight_bytes
 from .spec import ModelSpec
 
 
@@ -44,7 +44,9 @@ def chunk_paths(root: Path) -> list[Path]:
 
 
 def check_manifest(root: Path, sha256: bool = True) -> list[str]:
-    """Problems found against manifest.json, one line each (empty: the bundle verifies)."""
+    """Problems found against manifest.json, one line each (empty: the bundle verifies). Sizes
+    always; sha256=True verifies: hashes too, and that the manifest lists every file the bundle
+    holds (an unlisted file would go unchecked)."""
     root = Path(root)
     path = root / "manifest.json"
     if not path.is_file():
@@ -60,13 +62,29 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             problems.append(f"{path}: refuses file entry {rel!r} outside the bundle")
             continue
+        size = entry.get("size") if isinstance(entry, dict) else None
         if not p.is_file():
             problems.append(f"{p}: missing")
-        elif p.stat().st_size != entry.get("size"):
-            problems.append(f"{p}: size {p.stat().st_size}, manifest says {entry.get('size')}")
+        elif p.stat().st_size != size:
+            problems.append(f"{p}: size {p.stat().st_size}, manifest says {size}")
         elif sha256 and sha256_file(p) != entry.get("sha256"):
             problems.append(f"{p}: sha256 differs from the manifest")
+    if sha256:
+        listed = {Path(rel) for rel, _ in items}
+        problems += [
+            f"{p}: not listed in the manifest" for p in _bundle_files(root) if p.relative_to(root) not in listed
+        ]
     return problems
+
+
+def _bundle_files(root: Path) -> list[Path]:
+    """Every file of a bundle but its manifest: chunk packages, sidecars, hf_model/. Hidden files
+    (Finder's .DS_Store) are left out: nothing reads them."""
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p != root / "manifest.json" and not any(s.startswith(".") for s in p.relative_to(root).parts)
+    )
 
 
 def prompt_paths(chunks: list[dict]) -> dict:
@@ -264,17 +282,101 @@ REQUIRED = (
 )
 
 
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(v) -> bool:
+    return _integer(v) and v > 0
+
+
+def _token(v) -> bool:
+    return _integer(v) and v >= 0
+
+
+def _scale(v) -> bool:  # the host scales the int8 tables in fp32
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= np.finfo(np.float32).max
+
+
+# CONTRACT §2: the model_config.json fields the runtime reads: name -> (required, what it must be, test)
+MODEL_CONFIG = {
+    "vocab_size": (True, "a positive integer", _positive),
+    "hidden_size": (True, "a positive integer", _positive),
+    "num_hidden_layers": (True, "a positive integer", _positive),
+    "per_layer_dim": (True, "a positive integer", _positive),
+    "embed_scale": (True, "a positive fp32 number", _scale),
+    "per_layer_embed_scale": (True, "a positive fp32 number", _scale),
+    "bos_token_id": (False, "a token id", _token),
+    "eos_token_id": (False, "a token id", _token),
+    "layer_types": (False, "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    "context_length": (False, "a positive integer", _positive),  # these four: the published plan's
+    "prefill_batch": (False, "a positive integer", _positive),
+    "split": (False, "two layer indices", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive, v))),
+    "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
+}
+
+
+def read_model_config(root: Path) -> dict:
+    """model_config.json, checked field by field: a BundleError naming the field and its value."""
+    path = Path(root) / "model_config.json"
+    if not path.is_file():
+        raise BundleError(f"{path}: missing")
+    try:
+        config = read_json(path)
+    except FileFormatError as e:
+        raise BundleError(str(e)) from None
+    if not isinstance(config, dict):
+        raise BundleError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    for name, (required, what, ok) in MODEL_CONFIG.items():
+        if name not in config:
+            if required:
+                raise BundleError(f"{path}: {name}: missing")
+        elif not ok(config[name]) or name.endswith("_token_id") and config[name] >= config["vocab_size"]:
+            value = repr(config[name])
+            value = value if len(value) <= 40 else value[:37] + "..."
+            what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
+            raise BundleError(f"{path}: {name}={value}: expected {what}")
+    return config
+
+
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
-    """Every problem with a bundle, one line each: files missing or damaged."""
+    """Every problem with a bundle, one line each: files missing or damaged, a model_config.json
+    the runtime cannot use. sha256=True verifies (`check`, `load(verify=True)`): hashes, every file
+    listed in the manifest, and a manifest at all, which only the published layout may lack
+    (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
     root = Path(root)
     problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
     if (root / "manifest.json").exists():
         problems += check_manifest(root, sha256)
-    try:
-        chunk_paths(root)
-    except BundleError as e:
-        problems.append(str(e))
+    for check in (chunk_paths, read_model_config):
+        try:
+            check(root)
+        except BundleError as e:
+            problems.append(str(e))
+    if sha256 and not (root / "manifest.json").exists() and not problems:
+        try:
+            if not is_published(root):
+                missing = "missing (gemma-ane convert writes one; without it nothing can be verified)"
+                problems.append(f"{root / 'manifest.json'}: {missing}")
+        except BundleError as e:
+            problems.append(str(e))
     return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+
+
+def is_published(root: Path) -> bool:
+    """The published layout (CONTRACT §2, §4): no manifest, and chunk_3 is the argmax head. Our
+    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose
+    manifest is gone is not mistaken for it."""
+    root = Path(root)
+    if (root / "manifest.json").exists():
+        return False
+    last = chunk_paths(root)[-1]
+    if last.suffix == ".mlmodelc":  # a compiled chunk states nothing: the model config says (as published_plan)
+        return read_model_config(root).get("head", "token_id") == "token_id"
+    try:
+        return "logits" not in Package.open(last).interface("infer")["outputs"]
+    except PackageError as e:
+        raise BundleError(str(e)) from None
 
 
 def open_engine(
@@ -291,7 +393,7 @@ def open_engine(
     from .backend import open_chunks, pick_backend
 
     root = Path(root)
-    config = read_json(root / "model_config.json")
+    config = read_model_config(root)
     _check_norm_sidecar(root, config)
     chunks = open_chunks(chunk_paths(root), pick_backend(backend), precision, compute_units)
     if len(chunks) != 3:

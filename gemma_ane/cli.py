@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
+from contextlib import contextmanager
 
 from .bundle import BundleError
 from .checkpoint import CheckpointError
+from .engine import NonFiniteOutput
 from .files import write_json
 from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
@@ -210,6 +214,31 @@ def _summary(last) -> str:
     )
 
 
+def _fit_context(model, head: list, messages: list, think: bool, max_tokens: int) -> list | None:
+    """`messages` (after the system turn `head`) if their prompt leaves room for the answer (max_tokens,
+    at most half the context). If not, the oldest exchanges go, with a note on stderr, until the prompt
+    fills at most half the context, as llama.cpp's context shift does: the turns that follow then reuse
+    the cached prompt instead of reprocessing it after a drop each. None, and a note, if even the last
+    message alone does not fit."""
+    ctx, room, sizes = model.context, min(max_tokens, model.context // 2), {}
+    for k in range(0, len(messages), 2):  # whole exchanges, so what is kept starts with a user turn
+        sizes[k] = len(model.prompt_ids(messages=head + messages[k:], enable_thinking=think))
+        if sizes[k] + room <= ctx and (k == 0 or sizes[k] <= ctx // 2):
+            break
+    else:  # no half-context cut: the smallest that fits
+        k = next((k for k, n in sizes.items() if n + room <= ctx), None)
+        if k is None:
+            print(
+                f"(not sent: this message needs {sizes[len(messages) - 1]} prompt tokens and {room} "
+                f"for the answer, more than the context of {ctx}; the conversation is unchanged)",
+                file=sys.stderr,
+            )
+            return None
+    if k:
+        print(f"(dropped the {k} oldest turns to fit the context of {ctx})", file=sys.stderr)
+    return messages[k:]
+
+
 def cmd_chat(a):
     from . import load
 
@@ -217,6 +246,8 @@ def cmd_chat(a):
     _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes arrive as surrogates, refused per line
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         if interactive:
             sys.stdout.write("> ")
@@ -245,32 +276,48 @@ def cmd_chat(a):
             think = arg == "on"
             print(f"(thinking {arg})")
             continue
-        messages.append({"role": "user", "content": line})
-        convo = ([{"role": "system", "content": system}] if system else []) + messages
-        answer = ""
-        for ev in model.stream_generate(messages=convo, max_tokens=a.max_tokens, enable_thinking=think, **_sampling(a)):
-            if ev.reasoning:  # thinking goes to stderr, so stdout holds only the answers
-                sys.stderr.write(ev.reasoning)
-                sys.stderr.flush()
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-            answer += ev.text
-        sys.stdout.write("\n")
-        if len(messages) == 1:  # the first turn of a conversation: its system turn is what recurs
-            _save_cache(model, a.prompt_cache, ev.prompt_tokens, system, line, think)
-        messages.append({"role": "assistant", "content": answer})
+        head = [{"role": "system", "content": system}] if system else []
+        try:
+            fitted = _fit_context(model, head, [*messages, {"role": "user", "content": line}], think, a.max_tokens)
+            if fitted is None:
+                continue
+            answer, last = _answer(model, head + fitted, think, a)
+        except ValueError as e:  # text that is not text, a failing template: this turn only, never the chat
+            print(f"gemma-ane chat: error: {e}", file=sys.stderr)
+            continue
+        if not messages:  # the first turn of a conversation: its system turn is what recurs
+            _save_cache(model, a.prompt_cache, last.prompt_tokens, system, line, think)
+        messages = [*fitted, {"role": "assistant", "content": answer}]
     return 0
 
 
+def _answer(model, convo: list[dict], think: bool, a):
+    """Stream one answer (thinking to stderr, so stdout holds only the answers); (text, last event)."""
+    answer = ""
+    for ev in model.stream_generate(messages=convo, max_tokens=a.max_tokens, enable_thinking=think, **_sampling(a)):
+        if ev.reasoning:
+            sys.stderr.write(ev.reasoning)
+            sys.stderr.flush()
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        answer += ev.text
+    sys.stdout.write("\n")
+    return answer, ev
+
+
 def cmd_check(a):
-    from .bundle import check_bundle
+    from .bundle import check_bundle, is_published
 
     problems = check_bundle(a.bundle, sha256=True)
     for p in problems:
         print(p, file=sys.stderr)
-    if not problems:
-        print(f"{a.bundle}: ok (every file present, sizes and sha256 match the manifest)")
-    return 1 if problems else 0
+    if problems:
+        return 1
+    if is_published(a.bundle):  # check_bundle lets only the published layout go without a manifest
+        print(f"{a.bundle}: not verifiable: no manifest (the published layout has none); required files present")
+        return 3
+    print(f"{a.bundle}: ok (the manifest lists every file; sizes and sha256 match)")
+    return 0
 
 
 def _add_sampling(s):
@@ -401,13 +448,58 @@ _OPTIONAL = {
 }
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP as an exception, like Ctrl-C's KeyboardInterrupt, so the same cleanup runs
+    (`files.building`'s partial bundle, temporary files). Not an Exception: nothing may swallow it."""
+
+
+def _stop(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
+@contextmanager
+def _stoppable():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    saved = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # warnings (a function the device refuses, a bundle's RoPE tables) as one line, not a source dump
     warnings.formatwarning = lambda message, *_, **__: f"gemma-ane {args.command}: warning: {message}\n"
     try:
-        return args.fn(args) or 0
-    except (ConfigError, CheckpointError, BundleError, PackageError, FileExistsError, ValueError, OSError) as e:
+        with _stoppable():
+            rc = args.fn(args) or 0
+            sys.stdout.flush()  # a reader that left shows here, not in the flush at exit
+        return rc
+    except BrokenPipeError:
+        # `gemma-ane plan | head`: the reader has what it wanted; end quietly as Unix tools do, and
+        # point stdout at devnull so the interpreter's last flush does not complain either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except (KeyboardInterrupt, _Stopped) as e:
+        signum = e.args[0] if isinstance(e, _Stopped) else signal.SIGINT
+        print(f"gemma-ane {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    except (
+        ConfigError,
+        CheckpointError,
+        BundleError,
+        PackageError,
+        NonFiniteOutput,
+        FileExistsError,
+        ValueError,
+        OSError,
+    ) as e:
         print(f"gemma-ane {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:

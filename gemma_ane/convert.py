@@ -15,6 +15,7 @@ import hashlib
 import json
 import platform
 import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .files import FileFormatError, building, sha256_file, tree_size
+from .files import FileFormatError, building, is_within, sha256_file, tree_size
 from .host import quantize_rows, rope_tables
 from .spec import ChunkPlan, ConfigError, ModelSpec
 
@@ -166,6 +167,18 @@ def _quiet_coremltools():
         yield
     finally:
         tqdm.__init__ = init
+
+
+@contextmanager
+def _temp_files_in(work: Path):
+    """save_multifunction writes each merged chunk to a temporary package in $TMPDIR and leaves it to
+    an atexit hook: held until the process ends, and left for good if it is killed. Inside this block
+    such files go to `work`, in the partial bundle, and are removed with it."""
+    saved, tempfile.tempdir = tempfile.tempdir, str(work)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 @contextmanager
@@ -529,6 +542,8 @@ def convert(
         root, ckpt, plan = open_source(src, options)
     compile_ = options.compile if options.compile is not None else platform.system() == "Darwin"
     try:
+        if is_within(out, root) or is_within(root, out):  # replacing OUT would delete or litter the checkpoint
+            raise ConvertError(f"{out}: OUT must not be, hold or lie inside the checkpoint {root}; choose another OUT")
         with building(out) as tmp:
             if not compile_ and options.compile is None:
                 print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
@@ -611,7 +626,7 @@ def convert_chunk(
             f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})"
         )
     package = out / f"{chunk.name}.mlpackage"
-    with timer("merge"), _quiet_coremltools():
+    with timer("merge"), _quiet_coremltools(), _temp_files_in(work):
         merge_functions(paths, package)
     shutil.rmtree(work)
     if not compile_:

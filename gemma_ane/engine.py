@@ -27,6 +27,11 @@ class FunctionUnavailable(RuntimeError):
     engine then runs without that prompt path."""
 
 
+class NonFiniteOutput(RuntimeError):
+    """chunk_3's logits hold NaN or inf: damaged weights (a greedy argmax of NaNs would silently
+    pick token 0). Not a ValueError: the bundle is at fault, not the request."""
+
+
 @dataclass
 class HostTables:
     """Everything the host contributes to a step: int8 tables (arrays or row readers) and RoPE rows."""
@@ -162,6 +167,20 @@ class Engine:
                 for k, v in {**x, **kv}.items()
             }
         out = self._predict(2, "infer", feed)
+        # Damaged weights give NaN logits, whose argmax is silently token 0. The published head
+        # returns only the chosen id: its logit (token_logit) is all there is to check there.
+        a = np.asarray(out.get("token_logit", []) if self.head == "token_id" else out["logits"]).reshape(-1)
+        # NaN or inf = all exponent bits set: ~60 us on the uint16 view of 262,144 fp16 values (isfinite: ~500 us)
+        finite = (a.view(np.uint16) & 0x7FFF).max() < 0x7C00 if a.dtype == np.float16 else np.isfinite(a).all()
+        if not finite:
+            # the first chunk whose outputs the host still holds that were already non-finite
+            outputs = [["per_layer_combined"], ["hidden_states", *kv]]  # chunk_1's, chunk_2's
+            bad = [i for i, names in enumerate(outputs) if not all(np.isfinite(feed[n]).all() for n in names)]
+            where = f"{self.chunks[bad[0]].name} or before it" if bad else self.chunks[2].name
+            raise NonFiniteOutput(
+                f"{self.chunks[2].name}: logits hold NaN or inf (damaged weights in {where}); "
+                "run gemma-ane check, or re-convert"
+            )
         if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
             return np.asarray(out["token_id"]).reshape(-1)
         return np.asarray(out["logits"], self.logits_dtype).reshape(-1)

@@ -60,6 +60,23 @@ def tree_size(path: str | Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
+def is_within(path: str | Path, root: str | Path) -> bool:
+    """`path` is `root` or lies below it. Directories are compared by identity (device and inode), not
+    by name, so symlinks, `..` and case-insensitive file systems do not hide it; `path` need not exist."""
+    try:
+        target = os.stat(root)
+    except OSError:
+        return False
+    resolved = Path(path).resolve()
+    for p in (resolved, *resolved.parents):
+        try:
+            if os.path.samestat(os.stat(p), target):
+                return True
+        except OSError:
+            continue  # the part of `path` not yet created
+    return False
+
+
 @contextmanager
 def building(out: str | Path):
     """Yield a hidden sibling directory of `out` to fill. On success it replaces `out` (one rename,

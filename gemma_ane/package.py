@@ -90,7 +90,14 @@ class Package:
         """The pymil Program (all functions); weight files are read as ops are loaded."""
         from coremltools.converters.mil.frontend.milproto.load import load
 
-        return load(self.spec, self.spec.specificationVersion, str(self.weights_dir))
+        try:
+            return load(self.spec, self.spec.specificationVersion, str(self.weights_dir))
+        except (RuntimeError, ValueError, IndexError, OSError) as e:
+            # the blob reader's: "Invalid sentinel in blob_metadata", "index out of bounds", a reshape
+            # that does not fit: a damaged weight file, which the spec (read at open) does not cover
+            raise PackageError(
+                f"{self.path}: weight file damaged ({str(e).rstrip('.')}); re-convert or run gemma-ane check"
+            ) from None
 
     def size_bytes(self) -> int:
         return tree_size(self.path)

@@ -66,6 +66,7 @@ class ModelSpec:
     pad_token_id: int
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int  # the longest context the model was trained for: a plan's bound
     source: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- derived facts ---------------------------------------------------------------------------
@@ -157,6 +158,9 @@ class ModelSpec:
         window = get("sliding_window", int, 512)
         if window <= 0:
             raise ConfigError(f"sliding_window={window}: must be > 0")
+        max_pos = get("max_position_embeddings", int, 131_072)  # transformers' default for Gemma 4
+        if max_pos <= 0:
+            raise ConfigError(f"max_position_embeddings={max_pos}: must be > 0")
         return cls(
             hidden_size=hidden,
             num_layers=n_layers,
@@ -178,6 +182,7 @@ class ModelSpec:
             pad_token_id=get("pad_token_id", int, 0),
             bos_token_id=get("bos_token_id", int, 2),
             eos_token_ids=eos,
+            max_position_embeddings=max_pos,
             source=config,
         )
 
@@ -523,6 +528,10 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) ->
         raise ConfigError(f"context={context}: must be at least the sliding window ({W})")
     if context % 32:
         raise ConfigError(f"context={context}: must be a multiple of 32 (Core ML state dimensions)")
+    if context > spec.max_position_embeddings:
+        raise ConfigError(
+            f"context={context}: exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
+        )
     for T in kv_batches:
         if isinstance(T, bool) or not isinstance(T, int) or T < 2 or W % T:
             raise ConfigError(

@@ -2,8 +2,11 @@
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,3 +262,119 @@ def test_plan_error_in_a_real_process():
     proc = run_process("plan", E2B, "--split", "20,8")
     assert proc.returncode == 2 and proc.stdout == ""
     assert_one_line_error(proc.stderr, "plan", "split=20,8")
+
+
+def test_plan_context_is_bounded_by_max_position_embeddings(capsys):
+    from gemma_ane.spec import ChunkPlan, ConfigError, ModelSpec
+
+    rc, out, err = run(capsys, "plan", E2B, "--context", "1000000000")
+    assert rc == 2 and out == ""
+    assert_one_line_error(err, "plan", "context=1000000000", "max_position_embeddings=131072")
+    rc, out, err = run(capsys, "plan", E2B, "--context", "131072", "--json")  # the bound itself is fine
+    assert rc == 0 and json.loads(out)["context"] == 131072
+    with pytest.raises(ConfigError, match="max_position_embeddings=131072"):  # the Python API too
+        ChunkPlan.build(ModelSpec.from_pretrained(E2B), context=131072 + 32)
+
+
+# -- convert: what it must refuse before it writes anything --------------------------------------
+
+
+def tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def test_convert_context_beyond_the_model_is_refused(capsys, tiny_e2b, tmp_path):
+    # e2b-mini says max_position_embeddings=4096; a bigger context used to die in a torch allocation
+    rc, out, err = run(capsys, "convert", tiny_e2b, tmp_path / "out", "--context", "1000000000", "--quiet")
+    assert rc == 2 and out == ""
+    assert_one_line_error(err, "convert", "context=1000000000", "max_position_embeddings=4096")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["out_is_src", "out_inside_src", "src_inside_out", "src_is_a_link_to_out"])
+def test_convert_never_replaces_the_checkpoint(case, capsys, tiny_e2b, tmp_path):
+    real = tmp_path / "outer" / "ckpt"
+    shutil.copytree(tiny_e2b, real)
+    src, out = {
+        "out_is_src": (real, real),
+        "out_inside_src": (real, real / "bundle"),
+        "src_inside_out": (real, tmp_path / "outer"),
+        "src_is_a_link_to_out": (tmp_path / "link", real),
+    }[case]
+    if case == "src_is_a_link_to_out":
+        src.symlink_to(real)
+    before = tree(tmp_path)
+    rc, stdout, err = run(capsys, "convert", src, out, "--force", "--context", "128", "--bits", "16", "--quiet")
+    assert rc == 2 and stdout == ""
+    assert_one_line_error(err, "convert", str(out), str(src))
+    assert tree(tmp_path) == before  # nothing written, nothing removed
+
+
+# -- signals and pipes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["script", "module"])
+def test_a_closed_pipe_ends_quietly(cmd):
+    # The reader leaves before a byte is written (as `| head` does once it has its lines), so the
+    # write fails whatever the size of the output: in the print itself for the JSON plan (14 kB), only
+    # when stdout is flushed for the table (5 kB: buffered, as stdout is without PYTHONUNBUFFERED).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    exe = (
+        [str(Path(sys.executable).parent / "gemma-ane")] if cmd == "script" else [sys.executable, "-m", "gemma_ane.cli"]
+    )
+    for argv in (["plan", E2B], ["plan", E2B, "--json"]):
+        proc = subprocess.Popen([*exe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) in (0, 141) and err == "", (argv, err)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_during_convert_leaves_nothing_behind(signum, tiny_e2b, tmp_path):
+    tmp = tmp_path / "tmp"  # the child's $TMPDIR
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gemma_ane.cli", "convert", tiny_e2b, tmp_path / "out", "--context", "128", "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp), "PYTHONWARNINGS": "ignore"},
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.partial-*")):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no partial bundle within 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    err = proc.communicate(timeout=120)[1]
+    # 128 + N, or (Ctrl-C, rarely) an end by the signal itself, which CPython chooses once a
+    # KeyboardInterrupt escaped some C-level call on the way: a shell reports 128 + N for both
+    assert proc.returncode in (128 + signum, -signum if signum == signal.SIGINT else None), err
+    assert err.splitlines() == [f"gemma-ane convert: interrupted ({signal.Signals(signum).name})"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and list(tmp.iterdir()) == []
+
+
+def test_temporary_packages_live_in_the_partial_bundle(capsys, tiny_e2b, tmp_path, monkeypatch):
+    """coremltools' save_multifunction leaves a whole package in $TMPDIR until the process exits
+    (an atexit hook): never, if it is killed. Tracing is skipped here; the merge makes its temporary
+    package as coremltools does, then Ctrl-C arrives."""
+    import tempfile
+
+    from gemma_ane import convert as convert_mod
+
+    made = []
+
+    def merge(paths, out):
+        made.append(Path(tempfile.mkdtemp(suffix=".mlpackage")))  # what coremltools' _create_mlpackage does
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_mod, "trace_function", lambda *a: None)
+    monkeypatch.setattr(convert_mod, "finish_function", lambda *a, **k: None)
+    monkeypatch.setattr(convert_mod, "merge_functions", merge)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    rc, out, err = run(capsys, "convert", tiny_e2b, tmp_path / "out", "--bits", "16", "--context", "128", "--quiet")
+    assert rc == 130 and err == "gemma-ane convert: interrupted (SIGINT)\n", err
+    assert made and made[0].relative_to(tmp_path).parts[0].startswith(".out.partial-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and list(tmp.iterdir()) == []
