@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -83,12 +84,14 @@ def building(out: str | Path):
     and files readable as any other's); on any failure, Ctrl-C included, it is removed and `out`
     is left as it was."""
     out = Path(out)
+    # named before it exists, so an interrupt at any instant leaves nothing the cleanup cannot name
+    tmp = out.parent / f".{out.name}.partial-{secrets.token_hex(8)}"  # 64 random bits: no clash
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as e:
-        raise FileFormatError(f"{out}: cannot write here ({e.strerror or e})") from None
-    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(mode=0o700)
+        except OSError as e:
+            raise FileFormatError(f"{out}: cannot write here ({e.strerror or e})") from None
         yield tmp
         _make_shareable(tmp)  # mkdtemp (and coremltools) create private files
         if out.exists():
