@@ -1,5 +1,6 @@
 """`gemma-ane`: a thin shell over the Python API. Every failure the user can cause is one line
-on stderr and exit status 2; nothing here computes anything itself."""
+on stderr and exit status 2 (`check` and `inspect --ane` findings: 1; an unverifiable bundle: 3;
+a signal: 128+N; a closed pipe ends quietly); nothing here computes anything itself."""
 
 from __future__ import annotations
 
@@ -412,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(s)
     s.set_defaults(fn=cmd_chat)
 
-    s = sub.add_parser("check", help="validate a bundle: every file, sizes and sha256")
+    s = sub.add_parser(
+        "check", help="validate a bundle: every file listed, sizes and sha256 (exit 1: problems, 3: no manifest)"
+    )
     s.add_argument("bundle")
     s.set_defaults(fn=cmd_check)
 
