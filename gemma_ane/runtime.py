@@ -165,11 +165,13 @@ class Model:
         system: str | None = None,
         **sampling,
     ) -> Iterator[Event]:
-        params = SamplingParams.from_generation_config(self.generation, **sampling)
-        if self.head != "logits" and params.temperature != 0.0 and params.top_k != 1:
+        params = SamplingParams.from_generation_config(
+            self.generation, vocab_size=self.config["vocab_size"], **sampling
+        )
+        if self.head != "logits" and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
             raise ValueError(
                 "this bundle's chunk_3 returns only the argmax token (published layout): "
-                "sampling is not possible; use temperature=0"
+                "sampling and logit_bias are not possible; use temperature=0"
             )
         if isinstance(stop, str):
             stop = [stop]

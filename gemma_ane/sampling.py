@@ -1,8 +1,9 @@
 """Choosing the next token from chunk_3's logits (fp32, numpy).
 
-Order, as in transformers and llama.cpp: penalties on the raw logits, then temperature, then the
-truncations (top-k, top-p, min-p), then a draw. Logprobs are reported from the model's own
-distribution (log-softmax of the raw logits), which is what OpenAI-style clients expect.
+Order, as in transformers and llama.cpp: penalties on the raw logits, then OpenAI's logit bias,
+then temperature, then the truncations (top-k, top-p, min-p), then a draw. Logprobs are reported
+from the model's own distribution (log-softmax of the raw logits), which is what OpenAI-style
+clients expect.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ class SamplingParams:
     # None: no logprobs (a log-sum-exp over the whole vocabulary per token is not free);
     # n >= 0: the chosen token's logprob and n alternatives
     logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> bias in [-100, 100] added to the logit; -100 bans the token
+    # outright (-inf: no temperature brings it back), +100 all but forces it. JSON's string keys
+    # are accepted; validate() leaves {int: float}.
+    logit_bias: dict[int, float] | None = None
 
-    def validate(self) -> SamplingParams:
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Check every field (and the logit bias's ids against `vocab_size` when given); returns self."""
+
         def num(name, lo=None, hi=None, lo_open=False, integer=False):
             v = getattr(self, name)
             if (
@@ -60,10 +67,12 @@ class SamplingParams:
             num("logprobs", 0, 20, integer=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer", param="seed")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         return self
 
     @classmethod
-    def from_generation_config(cls, config: dict, **overrides) -> SamplingParams:
+    def from_generation_config(cls, config: dict, *, vocab_size: int | None = None, **overrides) -> SamplingParams:
         """Defaults from generation_config.json (do_sample=false means greedy), then the caller's."""
         base = {}
         if config.get("do_sample") is False:
@@ -76,53 +85,107 @@ class SamplingParams:
         unknown = sorted(set(base) - known)
         if unknown:
             raise SamplingError(f"unknown sampling parameter {unknown[0]!r}", param=unknown[0])
-        return cls(**base).validate()
+        return cls(**base).validate(vocab_size)
+
+
+BAN = -100  # OpenAI: "values like -100 or 100 should result in a ban or exclusive selection"
+
+
+def _logit_bias(bias, vocab_size: int | None) -> dict[int, float]:
+    """{token id: bias} from OpenAI's map (JSON keys are strings), each id and bias checked."""
+
+    def fail(why: str):
+        raise SamplingError(f"logit_bias: {why}", param="logit_bias")
+
+    if not isinstance(bias, dict):
+        fail(f"expected a map of token ids to biases, got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            token = int(key)
+        else:
+            fail(f"{key!r} is not a token id")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            fail(f"token {token} is not in the vocabulary" + (f" of {vocab_size}" if vocab_size else ""))
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float, np.integer, np.floating))
+            or not -100 <= value <= 100
+        ):
+            fail(f"{key!r}: {value!r}: expected a number in [-100, 100]")
+        out[token] = float(value)
+    if vocab_size is not None and sum(v == BAN for v in out.values()) >= vocab_size:
+        fail("it bans every token")
+    return out
 
 
 class Sampler:
     """Holds the random stream and the token counts: one Sampler per generation, so a seed
-    reproduces a whole run and penalties cost O(distinct tokens seen) per step."""
+    reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
 
     def __init__(self, params: SamplingParams, history=()):
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
         self.counts: dict[int, int] = {}
+        p = self.p
+        self._penalties = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+        bias = p.logit_bias or {}
+        ids = np.fromiter(bias, np.int64, len(bias))
+        vals = np.array([-np.inf if b == BAN else b for b in bias.values()], np.float32)
+        order = np.argsort(ids)
+        self._bias = ids[order], vals[order]
         self._arrays = None
         for t in history:
             self.observe(t)
 
     def observe(self, token: int) -> None:
         self.counts[int(token)] = self.counts.get(int(token), 0) + 1
-        self._arrays = None
+        if self._penalties:
+            self._arrays = None
 
-    def _penalized(self, vocab: int):
-        """(ids, counts) of the tokens the penalties touch, or None when no penalty is active."""
-        p = self.p
-        if not self.counts or (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
+    def _touched(self, vocab: int):
+        """(ids, counts, bias) of the tokens whose logits the penalties or the logit bias change
+        (counts 0: biased but unseen; bias 0: seen but unbiased), or None when they change none."""
+        bias_ids, bias = self._bias
+        if len(bias_ids) and bias_ids[-1] >= vocab:
+            raise SamplingError(
+                f"logit_bias: token {bias_ids[-1]} is not in the vocabulary of {vocab}", param="logit_bias"
+            )
+        seen = self.counts if self._penalties else {}
+        if not seen and not len(bias_ids):
             return None
         if self._arrays is None:
-            ids = np.fromiter(self.counts, np.int64, len(self.counts))
-            counts = np.fromiter(self.counts.values(), np.float32, len(self.counts))
+            seen_ids = np.fromiter(seen, np.int64, len(seen))
+            ids = np.union1d(seen_ids, bias_ids)
+            counts, add = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+            counts[np.searchsorted(ids, seen_ids)] = np.fromiter(seen.values(), np.float32, len(seen))
+            add[np.searchsorted(ids, bias_ids)] = bias
             keep = ids < vocab
-            self._arrays = ids[keep], counts[keep]
+            self._arrays = ids[keep], counts[keep], add[keep]
         return self._arrays
 
-    def _apply(self, seen: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _apply(self, x: np.ndarray, counts: np.ndarray, bias: np.ndarray) -> np.ndarray:
         """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
-        presence and frequency penalties, on the fp32 logits of the tokens seen so far."""
+        presence and frequency penalties on the tokens seen (count > 0), then the logit bias, on
+        the fp32 logits of the touched tokens."""
         p = self.p
+        seen = counts > 0
         if p.repetition_penalty != 1.0:
-            seen = np.where(seen > 0, seen / np.float32(p.repetition_penalty), seen * np.float32(p.repetition_penalty))
+            r = np.float32(p.repetition_penalty)
+            x = np.where(seen, np.where(x > 0, x / r, x * r), x)
         if p.presence_penalty or p.frequency_penalty:
-            seen = seen - (np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts)
-        return seen.astype(np.float32)
+            x = x - (np.float32(p.presence_penalty) * seen + np.float32(p.frequency_penalty) * counts)
+        return (x + bias).astype(np.float32)
 
-    def penalize(self, logits: np.ndarray) -> np.ndarray:
-        """The penalties over every token seen so far, on fp32 logits. Modifies and returns `logits`."""
-        pen = self._penalized(len(logits))
-        if pen is not None:
-            ids, counts = pen
-            logits[ids] = self._apply(logits[ids], counts)
+    def adjust(self, logits: np.ndarray) -> np.ndarray:
+        """The penalties over every token seen so far and the logit bias, on fp32 logits.
+        Modifies and returns `logits`."""
+        touched = self._touched(len(logits))
+        if touched is not None:
+            ids, counts, bias = touched
+            logits[ids] = self._apply(logits[ids], counts, bias)
         return logits
 
     @property
@@ -133,33 +196,33 @@ class Sampler:
         """The next token id from chunk_3's raw logits (fp16 or fp32; not modified).
 
         fp16 logits with greedy or top-k decoding never get converted whole: candidates are picked
-        on an integer key that orders fp16 values exactly, and only they and the penalised tokens
-        are converted to fp32. The result is the one the fp32 path gives, draw for draw."""
+        on an integer key that orders fp16 values exactly, and only they and the penalised or
+        biased tokens are converted to fp32. The result is the one the fp32 path gives, draw for draw."""
         p = self.p
-        if logits.dtype != np.float16 or not (self.greedy or p.top_k) or p.top_k + len(self.counts) >= len(logits):
-            return self.choose(self.penalize(np.array(logits, np.float32)))
+        touched = self._touched(len(logits))
+        k, n_touched = (1 if self.greedy else p.top_k), (0 if touched is None else len(touched[0]))
+        if logits.dtype != np.float16 or not k or k + n_touched >= len(logits):
+            return self.choose(self.adjust(np.array(logits, np.float32)))
         key = _order_key(logits)
-        pen = self._penalized(len(logits))
-        k = 1 if self.greedy else p.top_k
-        if pen is not None:
-            key[pen[0]] = np.iinfo(np.int16).min  # judged below on their penalised fp32 values
+        if touched is not None:
+            key[touched[0]] = np.iinfo(np.int16).min  # judged below on their adjusted fp32 values
         cand = top_indices(key, k)
         vals = logits[cand].astype(np.float32)
-        if pen is not None:
-            ids, counts = pen
+        if touched is not None:
+            ids, counts, bias = touched
             cand = np.concatenate([cand, ids])
-            vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts)])
+            vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts, bias)])
             order = np.lexsort((cand, -vals))[:k]
             cand, vals = cand[order], vals[order]
         return int(cand[0]) if self.greedy else self._pick(*self._top_k(cand, vals))
 
     def choose(self, logits: np.ndarray) -> int:
-        """The next token id from (already penalised) float32 logits: a draw from `distribution`."""
+        """The next token id from (already adjusted) float32 logits: a draw from `distribution`."""
         ids, probs = self.distribution(logits)
         return int(ids[0]) if self.greedy else self._pick(ids, probs)
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, probabilities) the next token is drawn from, given (already penalised) float32
+        """(token ids, probabilities) the next token is drawn from, given (already adjusted) float32
         logits: temperature, then top-k, top-p and min-p. Greedy decoding gives the argmax alone."""
         p = self.p
         if self.greedy:

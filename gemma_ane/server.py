@@ -274,6 +274,45 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
     return default
 
 
+# Fields of OpenAI's two endpoints this server does not implement, and the one value of each that
+# asks for nothing (_ANY: every value is refused, [] and "none" included). Answering with plain
+# text as if they were honoured would look like success to a client that relies on them; null
+# counts as absent, as for every field. Function calling is a future feature (issue 15).
+_ANY = object()
+_TOOLS = "function calling is not supported"
+UNSUPPORTED = {
+    "chat": {
+        "tools": (_ANY, _TOOLS),
+        "tool_choice": (_ANY, _TOOLS),
+        "parallel_tool_calls": (_ANY, _TOOLS),
+        "functions": (_ANY, _TOOLS),
+        "function_call": (_ANY, _TOOLS),
+        "n": (1, "only n=1 is supported"),
+        "response_format": ({"type": "text"}, "only {'type': 'text'} is supported"),
+        "modalities": (["text"], "only text output is supported"),
+        "audio": (_ANY, "audio output is not supported"),
+        "prediction": (_ANY, "predicted outputs are not supported"),
+        "web_search_options": (_ANY, "web search is not supported"),
+        "reasoning_effort": (_ANY, "not supported; switch thinking with chat_template_kwargs.enable_thinking"),
+        "verbosity": (_ANY, "not supported"),
+        "moderation": (_ANY, "moderation is not supported"),
+    },
+    "completion": {
+        "n": (1, "only n=1 is supported"),
+        "best_of": (1, "only best_of=1 is supported"),
+        "echo": (False, "not supported"),
+        "suffix": ("", "insertion (suffix) is not supported"),
+    },
+}
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    for name, (allowed, why) in UNSUPPORTED[kind].items():
+        value = body.get(name)
+        if value is not None and (allowed is _ANY or value != allowed or type(value) is not type(allowed)):
+            raise APIError(400, f"{name}: {why}", param=name)
+
+
 class Request:
     """A validated generation request: what to pass to `stream_generate` and how to answer."""
 
@@ -294,9 +333,7 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
             param="model",
             code="model_not_found",
         )
-    n = _field(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, f"n={n}: only n=1 is supported", param="n")
+    _refuse_unsupported(body, kind)
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
@@ -309,11 +346,6 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
         kwargs["messages"] = _messages(body)
-        # answering these with plain text would look like success to a client that relies on them
-        if _field(body, "tools", list):
-            raise APIError(400, "tools: function calling is not supported", param="tools")
-        if _field(_field(body, "response_format", dict, {}), "type", str, "text") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
         kwargs["enable_thinking"] = _field(
             template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
@@ -331,23 +363,24 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
             prompt = prompt[0]  # the legacy API takes a batch; one prompt is all this server runs
         if not isinstance(prompt, str):
             raise APIError(400, "prompt: expected a string", param="prompt")
-        if _field(body, "echo", bool, False):
-            raise APIError(400, "echo: not supported", param="echo")
         kwargs.update(prompt=prompt, raw=True)
         logprobs = _field(body, "logprobs", int)
         kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16)  # the legacy API's default
         lp_param = "logprobs"
-    if logprobs is not None and getattr(model, "head", "logits") != "logits":
-        raise APIError(
-            400, "logprobs: this bundle's head returns only the chosen token (published layout)", param=lp_param
-        )
-    sampling["logprobs"] = logprobs
+    sampling.update(logprobs=logprobs, logit_bias=_field(body, "logit_bias", dict))
+    if getattr(model, "head", "logits") != "logits":  # the published head: chunk_3 returns the argmax alone
+        for param, given in ((lp_param, logprobs), ("logit_bias", sampling["logit_bias"])):
+            if given is not None:
+                raise APIError(400, f"{param}: this bundle's head returns only the chosen token", param=param)
     try:
-        SamplingParams.from_generation_config(model.generation, **sampling)
+        params = SamplingParams.from_generation_config(
+            model.generation, vocab_size=model.config["vocab_size"], **sampling
+        )
     except SamplingError as e:
         if e.param == "logprobs":  # named as this endpoint's client spelled it
             raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1), param=lp_param) from None
         raise APIError(400, str(e), param=e.param) from None
+    sampling["logit_bias"] = params.logit_bias  # its ids as ints
     kwargs.update(sampling)
     return Request(kind, kwargs, stream, include_usage, logprobs)
 
@@ -611,7 +644,7 @@ async def _read_json(request, max_body: int) -> dict:
 
 def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: int = 16, max_body: int = 1_000_000):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids`, `context`,
-    `generation` and `tokenizer`, as `gemma_ane.load` returns)."""
+    `generation`, `config` (its `vocab_size`) and `tokenizer`, as `gemma_ane.load` returns)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -716,6 +749,7 @@ def serve(
     api_key: str | None = None,
     max_queue: int = 16,
     prompt_cache: str | None = None,
+    allow_special_tokens: bool = False,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again."""
@@ -731,6 +765,7 @@ def serve(
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     model = load(bundle, backend=backend)
+    model.allow_special_tokens = allow_special_tokens
     if prompt_cache:
         log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
     app = build_app(model, model_name=Path(bundle).resolve().name, api_key=api_key, max_queue=max_queue)
@@ -750,6 +785,7 @@ def _cmd_serve(a) -> int:
         api_key=a.api_key or os.environ.get(API_KEY_ENV),
         max_queue=a.max_queue,
         prompt_cache=a.prompt_cache,
+        allow_special_tokens=a.allow_special_tokens,
     )
     return 0
 
@@ -767,6 +803,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="requests that may wait behind the running one; more get 429 (default 16)",
     )
     p.add_argument("--prompt-cache", metavar="FILE", help="start from the caches saved in FILE (see generate)")
+    p.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        help="let user and tool text spell control tokens (default: it stays text, so no one can forge a turn)",
+    )
     p.set_defaults(fn=_cmd_serve)
 
 

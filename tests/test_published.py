@@ -36,8 +36,10 @@ def test_runtime_detects_and_runs_it_greedy(bundles):
     b = ref.generate("Hello there", raw=True, temperature=0, max_tokens=24)
     # exact RoPE tables replace the published ones, so the argmax head follows our logits head
     assert a.tokens == b.tokens and len(a.tokens) == 24
-    with pytest.raises(ValueError, match="sampling is not possible"):
+    with pytest.raises(ValueError, match="sampling and logit_bias are not possible"):
         model.generate("Hello", temperature=0.7, max_tokens=2)
+    with pytest.raises(ValueError, match="sampling and logit_bias are not possible"):
+        model.generate("Hello", temperature=0, logit_bias={5: -100}, max_tokens=2)  # greedy cannot ban either
 
 
 def test_published_tables_kept_on_request(bundles):

@@ -36,6 +36,15 @@ CASES = {
     "top-k-min-p-frequency": dict(temperature=0.7, top_k=40, min_p=0.05, frequency_penalty=1.5),
     "boosting-penalties": dict(temperature=1.2, top_k=8, repetition_penalty=0.5, presence_penalty=-2.0),
     "top-k-1": dict(temperature=2.0, top_k=1, repetition_penalty=2.0),
+    # biases on seen and unseen tokens alike, bans among them: the fast path judges them on their fp32 values
+    "greedy-biased": dict(temperature=0.0, logit_bias=dict(zip(range(0, 3000, 150), [4.0, -2.5, -100, 7.5] * 5))),
+    "top-k-biased-penalised": dict(
+        temperature=1.0,
+        top_k=40,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        logit_bias=dict(zip(range(7, 3000, 97), [9.0, -100, -4.0] * 11)),
+    ),
 }
 
 
@@ -53,7 +62,7 @@ def test_fp16_fast_path_draws_what_fp32_draws(case, vocab):
         x = np.round(rng.standard_normal(vocab) * 3 * 4) / 4
         x[list(fast.counts)[:20]] += 8
         x16 = x.astype(np.float16)
-        a, b = fast.sample(x16), plain.choose(plain.penalize(x16.astype(np.float32)))
+        a, b = fast.sample(x16), plain.choose(plain.adjust(x16.astype(np.float32)))
         assert a == b, (case, step)
         fast.observe(a)
         plain.observe(b)
@@ -97,7 +106,7 @@ def hf_distribution(x, params: SamplingParams, history=()) -> np.ndarray:
 def our_distribution(x, params: SamplingParams, history=()) -> np.ndarray:
     """What `Sampler.choose` draws from, the same way dense."""
     s = Sampler(params, history)
-    ids, probs = s.distribution(s.penalize(np.array(x, np.float32)))
+    ids, probs = s.distribution(s.adjust(np.array(x, np.float32)))
     dense = np.zeros(len(x))
     dense[ids] = probs
     return dense
@@ -221,3 +230,100 @@ def test_errors_name_the_parameter(name, value):
     with pytest.raises(SamplingError) as e:
         SamplingParams.from_generation_config({}, **{name: value})
     assert e.value.param == name and name in str(e.value)
+
+
+# -- logit_bias (OpenAI's): added to the logits after the penalties; -100 bans, +100 forces ------------------------
+
+
+def _peaked(vocab: int, dtype) -> np.ndarray:
+    """Logits with one clear favourite (id 3, by 12) over a spread of others."""
+    x = np.random.default_rng(6).standard_normal(vocab) * 2
+    x[3] = 20
+    return x.astype(dtype)
+
+
+MODES = {  # (params, vocabulary): the full one where the fp16 fast path runs
+    "greedy": (dict(temperature=0.0), 262144),
+    "top-k": (dict(temperature=1.5, top_k=20, seed=0), 262144),
+    "top-p": (dict(temperature=1.5, top_p=0.9, seed=0), 1000),
+    # near uniform, where adding -100 alone would not ban: exp(-100 / 1000) keeps 90 % of the weight
+    "flat": (dict(temperature=1000.0, seed=0), 8),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("mode", MODES, ids=list(MODES))
+def test_logit_bias_bans_and_forces(mode, dtype):
+    params, vocab = MODES[mode]
+    x = _peaked(vocab, dtype)
+    banned = {3: -100, 5: -100, 6: -100}
+    free = Sampler(SamplingParams(**params))
+    assert 3 in [free.sample(x) for _ in range(100)]  # the favourite, unless banned
+    s = Sampler(SamplingParams(**params, logit_bias=banned))
+    draws = [s.sample(x) for _ in range(100)]
+    assert not set(draws) & set(banned)
+    if mode != "flat":  # +100 on a middling token: it beats the favourite's lead of ~12 every time
+        s = Sampler(SamplingParams(**params, logit_bias={"500": 100}))
+        assert {s.sample(x) for _ in range(50)} == {500}
+
+
+def test_logit_bias_comes_after_the_penalties():
+    x = np.array([5.0, 4.0, 3.0, 0.0], np.float32)
+    # repetition 2 halves token 0 to 2.5; a bias of +1 after it gives 3.5 < 4, before it would give 3
+    s = Sampler(SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 1.0}), history=[0])
+    assert s.adjust(x.copy()).tolist() == [3.5, 4.0, 3.0, 0.0]
+    assert s.sample(x) == 1 and s.sample(x.astype(np.float16)) == 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=0.7, top_p=0.9, min_p=0.02), dict(temperature=1.3, top_k=7)],
+    ids=["temperature-top-p-min-p", "top-k"],
+)
+def test_biased_distribution_is_transformers_on_biased_logits(params):
+    x = _logits("random-1000")
+    order = np.argsort(-x)
+    bias = {int(order[0]): -100, int(order[1]): -3.5, int(order[30]): 6.0, int(order[400]): 100}
+    biased = x.copy()
+    for t, b in bias.items():
+        biased[t] = -np.inf if b == -100 else biased[t] + b
+    ours = our_distribution(x, SamplingParams(**params, logit_bias=bias))
+    want = hf_distribution(biased, SamplingParams(**params))
+    assert np.flatnonzero(ours).tolist() == np.flatnonzero(want).tolist()
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-12)
+
+
+def test_logit_bias_keys_may_be_json_strings():
+    p = SamplingParams.from_generation_config({}, vocab_size=512, logit_bias={"5": -100, 7: 2, "511": 0.5})
+    assert p.logit_bias == {5: -100.0, 7: 2.0, 511: 0.5}
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        [5],
+        {"x": 1},
+        {"-1": 1},
+        {" 5": 1},
+        {"５": 1},  # a full-width digit: str.isdigit says yes
+        {True: 1},
+        {"512": 1},  # the vocabulary is 0..511
+        {"5": 101},
+        {"5": -100.5},
+        {"5": "a"},
+        {"5": None},
+        {"5": True},
+        {"5": float("nan")},
+        {str(i): -100 for i in range(512)},  # nothing left to say
+    ],
+)
+def test_bad_logit_bias_names_the_parameter(bias):
+    with pytest.raises(SamplingError) as e:
+        SamplingParams.from_generation_config({}, vocab_size=512, logit_bias=bias)
+    assert e.value.param == "logit_bias" and str(e.value).startswith("logit_bias: ")
+
+
+def test_a_bias_beyond_the_logits_is_an_error_at_the_first_draw():
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias={600: 1}))  # no vocabulary given: checked on the logits
+    with pytest.raises(SamplingError, match="600 is not in the vocabulary of 512"):
+        s.sample(np.zeros(512, np.float16))

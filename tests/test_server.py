@@ -374,6 +374,45 @@ def test_a_follow_up_turn_reports_the_prompt_tokens_it_reused(client):
     assert r3.usage.prompt_tokens_details.cached_tokens < r3.usage.prompt_tokens
 
 
+def test_logit_bias_bans_and_forces_tokens_as_the_library_does(server, client):
+    """-100 bans a token (greedy and sampled), +100 forces one; the server's answers are the library's."""
+    greedy = dict(max_tokens=12, temperature=0)
+    hot = dict(max_tokens=24, seed=5, **HOT, **HOT_EXTRA)
+    for kw in (greedy, hot):
+        free = server.reference.generate(RAW, raw=True, logprobs=0, **kw)
+        banned = {t: -100 for t in free.tokens}  # everything the unbiased run chose
+        want = server.reference.generate(RAW, raw=True, logprobs=0, logit_bias=banned, **kw)
+        assert len(want.tokens) == kw["max_tokens"] and not set(want.tokens) & set(banned)
+        body = {k: v for k, v in kw.items() if k not in HOT_EXTRA}
+        r = client.completions.create(
+            model=NAME,
+            prompt=RAW,
+            logit_bias={str(t): b for t, b in banned.items()},
+            logprobs=0,
+            extra_body=HOT_EXTRA,
+            **body,
+        )
+        # the chosen tokens' logprobs (the model's own, unbiased) tell the tokens apart where the
+        # text cannot: the greedy run's replacement decodes to ""
+        assert r.choices[0].logprobs.token_logprobs == want.logprobs != free.logprobs
+        assert r.choices[0].text == want.text
+    forced = 300
+    want = server.reference.generate(messages=M, logit_bias={forced: 100}, logprobs=0, **hot)
+    assert want.tokens == [forced] * hot["max_tokens"]
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=M,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        max_tokens=24,
+        seed=5,
+        extra_body=HOT_EXTRA,
+        **HOT,
+    )
+    assert [e.logprob for e in r.choices[0].logprobs.content] == want.logprobs
+    assert r.choices[0].message.content == want.text
+
+
 # -- errors over raw HTTP -------------------------------------------------------------------------
 
 M = msgs("hi")
@@ -619,6 +658,7 @@ class FakeModel:
 
     context = 64
     generation: dict = {}
+    config = {"vocab_size": 512}
 
     def __init__(self, script, delay: float = 0.0):
         self.script, self.delay, self.calls = script, delay, []
@@ -763,3 +803,107 @@ def test_requests_run_in_arrival_order_and_overflow_is_429(fake_client):
             t.join(30)
     assert statuses == {0: 200, 1: 200, 2: 200, 3: 429, 4: 429}
     assert [c["prompt"] for c in model.calls] == ["p0", "p1", "p2"]
+
+
+# -- what the server does not implement: refused by name, never ignored ------------------------------------------
+
+REFUSED = [
+    # (endpoint, field, value): every one a 400 naming the field; null would count as absent
+    ("chat", "tools", []),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "none"),
+    ("chat", "tool_choice", "auto"),
+    ("chat", "parallel_tool_calls", False),
+    ("chat", "functions", []),
+    ("chat", "function_call", "none"),
+    ("chat", "n", 2),
+    ("chat", "n", True),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("chat", "modalities", ["text", "audio"]),
+    ("chat", "audio", {"voice": "alloy", "format": "wav"}),
+    ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("chat", "web_search_options", {}),
+    ("chat", "reasoning_effort", "low"),
+    ("chat", "verbosity", "low"),
+    ("chat", "moderation", {}),
+    ("completion", "n", 3),
+    ("completion", "best_of", 2),
+    ("completion", "echo", True),
+    ("completion", "suffix", "end"),
+]
+ACCEPTED = [
+    # the values that ask for nothing, OpenAI's bookkeeping fields (no effect on the answer), and
+    # fields OpenAI does not define (ignored, as before)
+    ("chat", {"n": 1, "modalities": ["text"], "response_format": {"type": "text"}, "tools": None}),
+    ("chat", {"user": "u1", "metadata": {"a": "b"}, "store": True, "service_tier": "auto"}),
+    ("chat", {"safety_identifier": "x", "prompt_cache_key": "k", "not_an_openai_field": 1}),
+    ("completion", {"n": 1, "best_of": 1, "echo": False, "suffix": "", "user": "u1", "not_an_openai_field": 1}),
+]
+
+
+def _post(http, kind: str, extra: dict):
+    if kind == "chat":
+        return http.post(CHAT, json={"messages": M, **extra})
+    return http.post(COMPLETIONS, json={"prompt": "x", **extra})
+
+
+@pytest.mark.parametrize("kind,field,value", REFUSED, ids=[f"{k}-{f}-{json.dumps(v)}" for k, f, v in REFUSED])
+def test_what_the_server_does_not_implement_is_refused_by_name(fake_client, kind, field, value):
+    model = FakeModel(THOUGHT)
+    http, _ = fake_client(model)
+    with http:
+        assert_openai_error(_post(http, kind, {field: value}), 400, field)
+    assert model.calls == []
+
+
+@pytest.mark.parametrize("kind,extra", ACCEPTED)
+def test_what_asks_for_nothing_is_accepted(fake_client, kind, extra):
+    model = FakeModel(THOUGHT)
+    http, _ = fake_client(model)
+    with http:
+        r = _post(http, kind, extra)
+    assert r.status_code == 200, r.text
+    assert len(model.calls) == 1
+
+
+def test_logit_bias_reaches_the_runtime_with_int_ids(fake_client):
+    model = FakeModel(THOUGHT)
+    http, client = fake_client(model)
+    with http:
+        client.chat.completions.create(model="fake", messages=M, logit_bias={"5": -100, "511": 2.5})
+        client.completions.create(model="fake", prompt="x", logit_bias={"0": 100}, stream=True).close()
+        client.completions.create(model="fake", prompt="x")
+    assert [c["logit_bias"] for c in model.calls] == [{5: -100.0, 511: 2.5}, {0: 100.0}, None]
+
+
+BAD_BIAS = [
+    ([5], "expected an object"),
+    ({"x": 1}, "'x' is not a token id"),
+    ({"-3": 1}, "'-3' is not a token id"),
+    ({"512": 1}, "token 512 is not in the vocabulary of 512"),
+    ({"5": 101}, "expected a number in [-100, 100]"),
+    ({"5": "a"}, "expected a number in [-100, 100]"),
+    ({str(i): -100 for i in range(512)}, "bans every token"),
+]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("bias,needle", BAD_BIAS, ids=[n for _, n in BAD_BIAS])
+def test_bad_logit_bias_is_a_400_naming_it(fake_client, kind, bias, needle):
+    model = FakeModel(THOUGHT)
+    http, _ = fake_client(model)
+    with http:
+        err = assert_openai_error(_post(http, kind, {"logit_bias": bias}), 400, "logit_bias")
+    assert needle in err["message"] and model.calls == []
+
+
+def test_the_published_head_refuses_logit_bias(fake_client):
+    model = FakeModel(THOUGHT)
+    model.head = "token_id"  # chunk_3 returns the argmax token alone: no logits to bias
+    http, _ = fake_client(model)
+    with http:
+        for kind in ("chat", "completion"):
+            err = assert_openai_error(_post(http, kind, {"logit_bias": {"5": -100}}), 400, "logit_bias")
+            assert "only the chosen token" in err["message"]
+        assert _post(http, "chat", {"temperature": 0}).status_code == 200
