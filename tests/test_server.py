@@ -907,3 +907,18 @@ def test_the_published_head_refuses_logit_bias(fake_client):
             err = assert_openai_error(_post(http, kind, {"logit_bias": {"5": -100}}), 400, "logit_bias")
             assert "only the chosen token" in err["message"]
         assert _post(http, "chat", {"temperature": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("flags, allowed", [([], False), (["--allow-special-tokens"], True)])
+def test_serve_decides_whether_user_text_may_spell_control_tokens(monkeypatch, tmp_path, flags, allowed):
+    import uvicorn
+
+    import gemma_ane.runtime
+    from gemma_ane import server
+
+    served = []
+    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: FakeModel([]))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
+    [app] = served
+    assert app.state.worker.model.allow_special_tokens is allowed
