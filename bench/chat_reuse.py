@@ -37,6 +37,13 @@ simple careful reason follow change animal country evening machine measure notic
 PROFILES = {False: (10, (120, 160), 40), True: (4, (8, 12), 6)}
 
 
+def bundle_for(a, tmp: str) -> tuple[Path, str]:
+    """--bundle as given, or the one `build` converts (cached in --work); and what it is."""
+    if a.bundle:
+        return Path(a.bundle), f"bundle `{a.bundle}`"
+    return build(Path(a.work or tmp), a.quick)
+
+
 def build(work: Path, quick: bool) -> tuple[Path, str]:
     """The bundle this benchmark converts itself, cached in `work`; and what it is."""
     from gemma_ane.convert import ConvertOptions, convert
@@ -182,10 +189,7 @@ def main(argv=None) -> int:
         p.error("--turns must be >= 1")
 
     with tempfile.TemporaryDirectory() as tmp:
-        if a.bundle:
-            bundle, about = Path(a.bundle), f"bundle `{a.bundle}`"
-        else:
-            bundle, about = build(Path(a.work or tmp), a.quick)
+        bundle, about = bundle_for(a, tmp)
         model = gemma_ane.load(bundle, backend=a.backend)
         users = user_messages(model, turns, sizes, a.seed)
         # functions load on first use (seconds each on Core ML): two throwaway turns run the paths a

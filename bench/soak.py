@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chat_reuse import build  # noqa: E402
+from chat_reuse import bundle_for  # noqa: E402
 from common import publish  # noqa: E402
 
 import gemma_ane  # noqa: E402
@@ -136,10 +136,7 @@ def main(argv=None) -> int:
         p.error("--steps and --every must be >= 1")
 
     with tempfile.TemporaryDirectory() as tmp:
-        if a.bundle:
-            bundle, about = Path(a.bundle), f"bundle `{a.bundle}`"
-        else:
-            bundle, about = build(Path(a.work or tmp), a.quick)
+        bundle, about = bundle_for(a, tmp)
         model = gemma_ane.load(bundle, backend="mil")
         prompt = model.prompt_ids(PROMPT, raw=True)
         if len(prompt) >= model.context:
