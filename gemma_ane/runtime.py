@@ -17,7 +17,7 @@ from . import prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
 from .chat import ChatTemplate, OutputParser, check_text, escape_content, unused_mark
-from .engine import ContextOverflow, Engine
+from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine
 from .files import read_json
 from .sampling import Sampler, SamplingParams
 from .tokens import BOS, EOS, STOP_IDS, ControlTokens
@@ -131,9 +131,10 @@ class Model:
         """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
         rendering alone is a prefix of it: where a later conversation may part from this one (an
         edited last message, an answer re-rendered without its thinking), so the engine
-        snapshots its rings there and reuse survives the part."""
+        snapshots its rings there and reuse survives the part. Only the newest MAX_SNAPSHOTS turns:
+        the engine keeps no more snapshots than that, and each turn costs a render."""
         ends = []
-        for k in range(1, len(messages)):
+        for k in range(max(1, len(messages) - MAX_SNAPSHOTS), len(messages)):
             part = self.chat_ids(messages[:k], add_generation_prompt=False, enable_thinking=enable_thinking)
             if 0 < len(part) < len(ids) and ids[: len(part)] == part:
                 ends.append(len(part))
