@@ -1,10 +1,11 @@
-"""A random Gemma 4 E2B checkpoint at the real size, streamed to disk.
+"""A random Gemma 4 E2B (or E4B) checkpoint at the real size, streamed to disk.
 
-    python bench/make_full_checkpoint.py OUT            # 35 layers, vocab 262144, PLE 262144x8960: 9.3 GB bf16
-    python bench/make_full_checkpoint.py OUT --quick    # the same layout at toy widths, for the test suite
+    python bench/make_full_checkpoint.py OUT                # E2B: 35 layers, PLE 262144x8960: 9.3 GB bf16
+    python bench/make_full_checkpoint.py OUT --config e4b   # E4B: 42 layers, hidden 2560
+    python bench/make_full_checkpoint.py OUT --quick        # E2B's layout at toy widths, for the test suite
 
 The real weights cannot be downloaded here, so the benchmarks run on this: the Hub's config.json
-of gemma-4-E2B-it (tests/fixtures/e2b_config.json), the multimodal key layout
+of gemma-4-E2B-it (tests/fixtures/e2b_config.json, or e4b_config.json), the multimodal key layout
 (`model.language_model.*`, text tower only), bf16 safetensors sharded with an index like the
 Hub's. Tensor names and shapes come from transformers' own model built on the meta device, so the
 layout is the one transformers loads. Each tensor is generated and written in blocks of rows: the
@@ -28,7 +29,7 @@ from common import ROOT, publish  # noqa: E402
 
 from gemma_ane.tiny import checkpoint_dir  # noqa: E402
 
-E2B_CONFIG = ROOT / "tests" / "fixtures" / "e2b_config.json"
+CONFIGS = {name: ROOT / "tests" / "fixtures" / f"{name}_config.json" for name in ("e2b", "e4b")}
 S, F = "sliding_attention", "full_attention"
 # E2B's structure (4:1 pattern, one KV head, 256/512 head dims, KV sharing, double-wide MLP, PLE)
 # at toy widths and 6 layers: what `--quick` writes so a test can run every bench script.
@@ -49,8 +50,8 @@ QUICK = dict(
 BLOCK = 16 * 2**20  # values generated at a time
 
 
-def e2b_config(quick: bool) -> dict:
-    config = json.loads(E2B_CONFIG.read_text())
+def hub_config(name: str, quick: bool) -> dict:
+    config = json.loads(CONFIGS[name].read_text())
     if quick:
         config["text_config"].update(QUICK)
     return config
@@ -126,8 +127,8 @@ def write_shard(path: Path, names: list[str], params: dict, rng: np.random.Gener
             write_tensor(f, rng, name, params[name])
 
 
-def make_checkpoint(out: Path, quick: bool = False, shard_gb: float = 4.0, seed: int = 0) -> dict:
-    config = e2b_config(quick)
+def make_checkpoint(out: Path, quick: bool = False, shard_gb: float = 4.0, seed: int = 0, model: str = "e2b") -> dict:
+    config = hub_config(model, quick)
     params = text_parameters(config)
     shards = plan_shards(params, int(shard_gb * 1e9) if not quick else 2**18)
     rng = np.random.default_rng(seed)
@@ -148,7 +149,8 @@ def make_checkpoint(out: Path, quick: bool = False, shard_gb: float = 4.0, seed:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--quick", action="store_true", help="toy widths, 6 layers (for the test suite)")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="e2b", help="which model's config (default e2b)")
+    p.add_argument("--quick", action="store_true", help="E2B's layout at toy widths, 6 layers (for the test suite)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size in GB (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -158,10 +160,12 @@ def main(argv=None):
     if out.exists() and not a.force:
         sys.exit(f"error: {out}: already exists (use --force to replace it)")
     t0 = time.perf_counter()
-    info = make_checkpoint(out, a.quick, a.shard_gb, a.seed)
+    if a.quick and a.config != "e2b":
+        sys.exit("error: --quick writes E2B's layout only")
+    info = make_checkpoint(out, a.quick, a.shard_gb, a.seed, a.config)
     seconds = time.perf_counter() - t0
     body = (
-        f"{'quick (toy widths)' if a.quick else 'E2B text config'}: {info['tensors']} tensors, "
+        f"{'quick (toy widths)' if a.quick else a.config.upper() + ' text config'}: {info['tensors']} tensors, "
         f"{info['parameters']:,} parameters, {info['bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shards, "
         f"written in {seconds:.0f} s"
     )

@@ -11,6 +11,9 @@ import functools
 
 PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 THINK, CHANNEL_OPEN, CHANNEL_CLOSE, TURN_OPEN, TURN_CLOSE = 98, 100, 101, 105, 106
+# function calling: declarations, calls and responses are bracketed by these; <|"|> delimits strings
+TOOL_OPEN, TOOL_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE = 46, 47, 48, 49
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE, STRING_DELIM = 50, 51, 52
 
 SPECIAL_TOKENS: dict[int, str] = {
     PAD: "<pad>",
@@ -18,6 +21,13 @@ SPECIAL_TOKENS: dict[int, str] = {
     BOS: "<bos>",
     UNK: "<unk>",
     MASK: "<mask>",
+    TOOL_OPEN: "<|tool>",
+    TOOL_CLOSE: "<tool|>",
+    TOOL_CALL_OPEN: "<|tool_call>",
+    TOOL_CALL_CLOSE: "<tool_call|>",
+    TOOL_RESPONSE_OPEN: "<|tool_response>",
+    TOOL_RESPONSE_CLOSE: "<tool_response|>",
+    STRING_DELIM: '<|"|>',
     THINK: "<|think|>",
     CHANNEL_OPEN: "<|channel>",
     CHANNEL_CLOSE: "<channel|>",
