@@ -1,4 +1,4 @@
-"""Prompts in, text out: the chat template, streaming detokenisation, thinking and stop strings.
+"""Prompts in, text out: the chat template, streaming detokenisation, thinking, tool calls and stop strings.
 
 A bundle is a downloaded file, so its chat template is untrusted code: it is rendered in jinja2's
 ImmutableSandboxedEnvironment, which refuses attribute access to Python internals, bounded in work
@@ -8,21 +8,33 @@ as well (see _Sandbox): a template cannot hold a CPU or fill the memory.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping, MappingView, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError, nodes
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN
+from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN, SPECIAL_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from .tools import ToolCall, call_id, declaration, gemma_value, parse_call
 
-ROLES = {"system": "system", "user": "user", "assistant": "model", "model": "model"}
+# the turn each role opens; "tool" messages open none: they are answers to the calls before them
+ROLES = {
+    "system": "system",
+    "developer": "developer",
+    "user": "user",
+    "assistant": "model",
+    "model": "model",
+    "tool": "tool",
+}
 
 
 class ChatError(ValueError):
@@ -219,7 +231,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         args = _materialized(args)
         method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands out str.format wrapped
         name = getattr(method, "__name__", "a function")
-        _check_numbers(name, [*args, *kwargs.values()])
+        if not isinstance(__obj, Macro):  # a macro takes data (a tool call's id: 12345678901); what it calls is checked
+            _check_numbers(name, [*args, *kwargs.values()])
         size = _METHOD_SIZES.get(name) if isinstance(getattr(method, "__self__", None), str) else None
         if size:
             _fits(size(method.__self__, *args, **kwargs), f"str.{name}'s result")
@@ -318,11 +331,25 @@ def unused_mark(*values) -> str:
 
 
 def escape_content(messages: list, escape) -> list:
-    """`messages` with `escape` applied to the text of each user and tool message (copies: the caller's
-    messages stay as they are)."""
+    """`messages` with `escape` applied to the text of each user and tool message, and to every string
+    in the arguments of the tool calls a message carries (a client writes those; the template prints
+    them bare). Copies: the caller's messages stay as they are."""
 
     def part(p):
         return {**p, "text": escape(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+
+    def value(v):
+        if isinstance(v, str):
+            return escape(v)
+        if isinstance(v, dict):
+            return {escape(k) if isinstance(k, str) else k: value(x) for k, x in v.items()}
+        return [value(x) for x in v] if isinstance(v, list) else v
+
+    def call(c):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("arguments"), dict):
+            return c
+        return {**c, "function": {**f, "arguments": value(f["arguments"])}}
 
     out = []
     for m in messages:
@@ -332,6 +359,8 @@ def escape_content(messages: list, escape) -> list:
                 m = {**m, "content": escape(content)}
             elif isinstance(content, list):
                 m = {**m, "content": [part(p) for p in content]}
+        if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+            m = {**m, "tool_calls": [call(c) for c in m["tool_calls"]]}
         out.append(m)
     return out
 
@@ -358,35 +387,85 @@ def _strip_thinking(text: str) -> str:
     return "".join(part.split("<|channel>")[0] for part in text.split("<channel|>")).strip()
 
 
+def _call(call: dict) -> str:
+    f = call["function"]
+    arguments = f.get("arguments", "")  # the template refuses a missing one as it refuses a string
+    if arguments is not None and not isinstance(arguments, Mapping):
+        raise ChatError("tool_calls[].function.arguments must be a JSON object (mapping), not a string")
+    return f"<|tool_call>call:{f['name']}{gemma_value(arguments or {})}<tool_call|>"
+
+
+def _response(name: str, body) -> str:
+    value = gemma_value(body) if isinstance(body, Mapping) else "{value:" + gemma_value(body) + "}"
+    return f"<|tool_response>response:{name}{value}<tool_response|>"
+
+
+def _responses(message: dict, following: list[dict]) -> list[str]:
+    """The results answering `message`'s calls: its own tool_responses (Gemma's form), or else the role "tool"
+    messages right after it (OpenAI's), each named by the call its tool_call_id points at."""
+    if message.get("tool_responses"):
+        return [_response(r.get("name") or "unknown", r.get("response")) for r in message["tool_responses"]]
+    if not message.get("tool_calls"):
+        return []
+    out = []
+    for m in itertools.takewhile(lambda t: t["role"] == "tool", following):
+        name = m.get("name") or "unknown"
+        for call in message["tool_calls"]:  # the last match wins, as in the template
+            if call.get("id") == m.get("tool_call_id"):
+                name = call["function"]["name"]
+        body = m.get("content")
+        out.append(_response(name, "".join(_parts(m)) if isinstance(body, list) else body))
+    return out
+
+
 def gemma4_prompt(
-    messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, bos_token: str = "<bos>"
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = False,
+    bos_token: str = "<bos>",
+    tools: list[dict] | None = None,
 ) -> str:
     """The built-in Gemma 4 formatter, for bundles that carry no template: what google/gemma-4-E2B-it's own
-    chat template renders for a text-only conversation without tools (tests/test_chat.py holds the two equal)."""
+    chat template renders for a text-only conversation, tools, calls and results included (tests/test_chat.py
+    and tests/test_tools.py hold the two equal)."""
     for m in messages:
         if m.get("role") not in ROLES:
-            raise ChatError(f"unknown role {m.get('role')!r}: expected system, user, assistant or model")
+            raise ChatError(f"unknown role {m.get('role')!r}: expected one of {', '.join(ROLES)}")
     out = [bos_token]
-    system = messages[0] if messages and messages[0]["role"] == "system" else {}
-    if system or enable_thinking:  # thinking is switched on by <|think|> opening a system turn
-        sep = " " if isinstance(system.get("content"), list) else ""  # the template's quirk: list parts gain a space
-        text = "".join(p.strip() + sep for p in _parts(system))
-        out.append("<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + text + "<turn|>\n")
+    system = messages[0] if messages and messages[0]["role"] in ("system", "developer") else None
+    if system or enable_thinking or tools:  # thinking is switched on by <|think|> opening a system turn
+        sep = " " if system and isinstance(system.get("content"), list) else ""  # the template's quirk
+        text = "".join(p.strip() + sep for p in _parts(system)) if system else ""
+        out.append("<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + text)
+        out += [f"<|tool>{declaration(t)}<tool|>" for t in tools or []]
+        out.append("<turn|>\n")
     turns = messages[1:] if system else messages
     last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=-1)
+    ended, previous = None, None  # what the last message ended in ("calls", "results"); the last non-tool role
     for i, m in enumerate(turns):
-        role = ROLES[m["role"]]
-        # Consecutive assistant messages are one model turn: no closer after the first, no opener after it.
-        if not (role == "model" and i > 0 and turns[i - 1]["role"] == "assistant"):
+        if m["role"] == "tool":
+            continue  # rendered with the calls it answers (or, answering none, dropped)
+        role, calls, responses = ROLES[m["role"]], m.get("tool_calls"), _responses(m, turns[i + 1 :])
+        # Consecutive assistant messages are one model turn (tool results between them included).
+        if not (role == "model" and previous == "assistant"):
             out.append(f"<|turn>{role}\n")
         thought = m.get("reasoning") or m.get("reasoning_content")
         if thought and i > last_user:  # reasoning from before the last user turn is not replayed
             out.append(f"<|channel>thought\n{thought}\n<channel|>")
-        out.append("".join(_strip_thinking(p) if role == "model" else p.strip() for p in _parts(m)))
-        if not (role == "model" and i + 1 < len(turns) and turns[i + 1]["role"] == "assistant"):
-            out.append("<turn|>\n")
-    if add_generation_prompt:
+        out += [_call(c) for c in calls or []] + responses
+        ended = "results" if responses else "calls" if calls else None
+        text = "".join(_strip_thinking(p) if role == "model" else p.strip() for p in _parts(m))
+        out.append(text)
+        after = next((t["role"] for t in turns[i + 1 :] if t["role"] != "tool"), None)
+        if ended == "calls":
+            out.append("<|tool_response>")  # unanswered calls: the results come next, in this turn
+        elif not ((role == "model" and after == "assistant") or (responses and not text.strip() and after is None)):
+            out.append("<turn|>\n")  # (results that end the conversation leave the turn open for the answer)
+        previous = m["role"]
+    if add_generation_prompt and ended is None:
         out.append("<|turn>model\n")
+    elif add_generation_prompt and ended == "results" and enable_thinking:
+        out.append("<|channel>thought\n")
     return "".join(out)
 
 
@@ -403,18 +482,26 @@ class ChatTemplate:
             except (TemplateError, RecursionError) as e:
                 raise ChatError(f"chat template does not compile: {_one_line(e)}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt for `messages` and `tools` (OpenAI-style, see tools.check_tools; tool calls' arguments
+        as mappings, see tools.prepare_messages)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatError("messages must be a list of {'role', 'content'} objects")
         if self._template is None:
-            return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token)
+            return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token, tools)
         context = dict(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
-            tools=None,
+            tools=tools,
             documents=None,
         )
         _deadline.at = time.monotonic() + RENDER_SECONDS
@@ -475,23 +562,38 @@ class Detokenizer:
 class Delta:
     content: str = ""
     reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class OutputParser:
-    """Splits generated tokens into answer and reasoning (`<|channel>thought\\n ... <channel|>`),
-    and applies stop strings, holding back any tail that could still become one."""
+    """Splits generated tokens into answer, reasoning (`<|channel>thought\\n ... <channel|>`) and tool calls
+    (`<|tool_call>call:NAME{...}<tool_call|>`), and applies stop strings to the answer, holding back any tail
+    that could still become one. A call is released once closed: as a ToolCall if it parses and names one of
+    `tools` (any name when no tools are given), else as text, with a warning."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, tools: list[dict] | None = None):
+        self.tokenizer = tokenizer
         self.content = Detokenizer(tokenizer)
         self.reasoning = Detokenizer(tokenizer)
         self.in_thought, self._skip_label, self._label = False, False, ""
         self.stop = [s for s in (stop or []) if s]
+        self.names = None if tools is None else {t["function"]["name"] for t in tools}
+        self.call: list[int] | None = None  # the tokens of the call under way, between its markers
         self.pending = ""  # answer text not yet released (could be a stop string's prefix)
         self.stopped = False
         self.text, self.reasoning_text = "", ""
+        self.tool_calls: list[ToolCall] = []
 
     def add(self, token: int) -> Delta:
         if self.stopped:
+            return Delta()
+        if self.call is not None:
+            if token == TOOL_CALL_CLOSE:
+                return self._end_call(closed=True)
+            self.call.append(token)
+            return Delta()
+        if token == TOOL_CALL_OPEN:
+            self.call = []
             return Delta()
         if token == CHANNEL_OPEN:
             self.in_thought, self._skip_label = True, True
@@ -510,6 +612,24 @@ class OutputParser:
             return Delta(reasoning=piece)
         return Delta(content=self._release(self.content.add(token)))
 
+    def _end_call(self, closed: bool) -> Delta:
+        # decoded whole and with special tokens: <|"|>, which delimits strings, is one
+        text = self.tokenizer.decode(self.call, skip_special_tokens=False)
+        self.call = None
+        try:
+            if not closed:
+                raise ValueError("never closed")
+            name, arguments = parse_call(text)
+            if self.names is not None and name not in self.names:
+                raise ValueError(f"unknown function {name!r}")
+        except ValueError as e:
+            warnings.warn(f"a malformed tool call is returned as text: {e}", stacklevel=3)
+            literal = SPECIAL_TOKENS[TOOL_CALL_OPEN] + text + (SPECIAL_TOKENS[TOOL_CALL_CLOSE] if closed else "")
+            return Delta(content=self._release(literal))
+        call = ToolCall(call_id(), name, arguments)
+        self.tool_calls.append(call)
+        return Delta(tool_calls=[call])
+
     def _release(self, piece: str) -> str:
         self.pending += piece
         for s in self.stop:
@@ -527,10 +647,13 @@ class OutputParser:
     def finish(self) -> Delta:
         if self.stopped:
             return Delta()
+        head = self._end_call(closed=False).content if self.call is not None else ""
+        if self.stopped:  # by a stop string in that call's text
+            return Delta(content=head)
         tail = self.pending + self.content.flush()
         self.pending = ""
         for s in self.stop:
             if s in tail:
                 tail, self.stopped = tail[: tail.find(s)], True
         self.text += tail
-        return Delta(content=tail)
+        return Delta(content=head + tail)

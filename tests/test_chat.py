@@ -14,6 +14,7 @@ tokenizer, whose <bos>/<eos> are Gemma 4's.
 import copy
 import hashlib
 import io
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,7 +179,7 @@ def test_template_exception_is_a_chat_error_with_its_message(template, hf_tok):
 @pytest.mark.parametrize(
     "messages, error",
     [
-        ([user("Hi"), {"role": "tool", "content": "42"}], "unknown role 'tool'"),
+        ([user("Hi"), {"role": "critic", "content": "42"}], "unknown role 'critic'"),
         ([{"content": "Hi"}], "unknown role None"),
         ([user([{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is this?"}])], "text-only"),
         ([user(42)], "string or a list of text parts"),
@@ -247,8 +248,19 @@ CALL = {"function": {"name": "search", "arguments": {"q": "x"}}}
 
 @pytest.mark.parametrize(
     "conversation",
-    [lambda text: [user(parts("Hi ", text))], lambda text: [user("Hi"), assistant("", tool_calls=[CALL]), tool(text)]],
-    ids=["text-parts", "tool-result"],
+    [
+        lambda text: [user(parts("Hi ", text))],
+        lambda text: [user("Hi"), assistant("", tool_calls=[CALL]), tool(text)],
+        lambda text: [
+            user("Hi"),
+            assistant("", tool_calls=[{"function": {"name": "search", "arguments": {"q": [text], text: 1}}}]),
+        ],
+        lambda text: [
+            user("Hi"),
+            assistant("", tool_calls=[{"function": {"name": "search", "arguments": json.dumps({"q": text})}}]),
+        ],
+    ],
+    ids=["text-parts", "tool-result", "call-arguments", "call-arguments-as-json"],
 )
 def test_text_parts_and_tool_results_stay_text_too(tok, conversation):
     model = tiny_model(tok)
