@@ -330,6 +330,15 @@ def unused_mark(*values) -> str:
     raise ChatError("the messages hold every Unicode noncharacter (U+FDD0..U+FDEF, U+FFFE, U+FFFF, ...)")
 
 
+def escape_strings(value, escape):
+    """A copy of a JSON-like value with `escape` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {escape_strings(k, escape): escape_strings(v, escape) for k, v in value.items()}
+    return [escape_strings(v, escape) for v in value] if isinstance(value, list) else value
+
+
 def escape_content(messages: list, escape) -> list:
     """`messages` with `escape` applied to the text of each user and tool message, and to every string
     in the arguments of the tool calls a message carries (a client writes those; the template prints
@@ -338,18 +347,11 @@ def escape_content(messages: list, escape) -> list:
     def part(p):
         return {**p, "text": escape(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
 
-    def value(v):
-        if isinstance(v, str):
-            return escape(v)
-        if isinstance(v, dict):
-            return {escape(k) if isinstance(k, str) else k: value(x) for k, x in v.items()}
-        return [value(x) for x in v] if isinstance(v, list) else v
-
     def call(c):
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("arguments"), dict):
             return c
-        return {**c, "function": {**f, "arguments": value(f["arguments"])}}
+        return {**c, "function": {**f, "arguments": escape_strings(f["arguments"], escape)}}
 
     out = []
     for m in messages:
@@ -469,6 +471,13 @@ def gemma4_prompt(
     return "".join(out)
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "?"}}
+
+
+def _uses_tools(messages: list, tools) -> bool:
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "<bos>", eos_token: str = "<eos>"):
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
@@ -493,8 +502,30 @@ class ChatTemplate:
         as mappings, see tools.prepare_messages)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatError("messages must be a list of {'role', 'content'} objects")
-        if self._template is None:
+        if self._template is None or (_uses_tools(messages, tools) and not self.renders_tools):
             return gemma4_prompt(messages, add_generation_prompt, enable_thinking, self.bos_token, tools)
+        return self._render(messages, add_generation_prompt, enable_thinking, tools)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template declares tools, as Google's does. One that does not (written before
+        function calling, like `gemma-ane tiny`'s) would drop them without a word: a conversation with
+        tools goes to the built-in formatter instead, which writes Google's format (said once)."""
+        if self._template is None:
+            return True
+        probe = [{"role": "user", "content": "?"}]
+        try:
+            declares = "<|tool>" in self._render(probe, True, False, [_PROBE_TOOL])
+        except ChatError:
+            declares = False
+        if not declares:
+            warnings.warn(
+                "the chat template does not render tools: conversations with tools use the built-in Gemma 4 format",
+                stacklevel=3,
+            )
+        return declares
+
+    def _render(self, messages, add_generation_prompt, enable_thinking, tools) -> str:
         context = dict(
             messages=messages,
             add_generation_prompt=add_generation_prompt,

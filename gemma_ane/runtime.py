@@ -13,14 +13,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from . import prompt_cache
+from . import grammar, prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
-from .chat import ChatTemplate, OutputParser, check_text, escape_content, unused_mark
+from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
 from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine
 from .files import read_json
-from .sampling import Sampler, SamplingParams
-from .tokens import BOS, EOS, STOP_IDS, ControlTokens
+from .sampling import BAN, Sampler, SamplingParams
+from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
+from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Result(Stats):
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "tool_calls"
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Event(Stats):
     reasoning: str = ""
     logprob: float | None = None
     top_logprobs: list = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls this token completed
     finish_reason: str | None = None
 
 
@@ -74,7 +77,10 @@ class Model:
         self.generation, self.config, self.backend = generation, config, backend
         eos = generation.get("eos_token_id", [])
         eos = eos if isinstance(eos, list) else [eos]
-        self.stop_ids = set(STOP_IDS) | {int(e) for e in eos} | {int(config.get("eos_token_id", EOS))}
+        # <|tool_response> too: after its calls the model would go on to write the tool's answer itself
+        self.stop_ids = (
+            set(STOP_IDS) | {TOOL_RESPONSE_OPEN} | {int(e) for e in eos} | {int(config.get("eos_token_id", EOS))}
+        )
 
     @property
     def context(self) -> int:
@@ -99,35 +105,48 @@ class Model:
         return ControlTokens(self.tokenizer)
 
     def prompt_ids(
-        self, prompt=None, messages=None, raw: bool = False, enable_thinking: bool = False, system: str | None = None
+        self,
+        prompt=None,
+        messages=None,
+        raw: bool = False,
+        enable_thinking: bool = False,
+        system: str | None = None,
+        tools: list | None = None,
     ) -> list[int]:
         """The prompt's ids. A raw prompt is the caller's own formatting, control tokens included."""
         if messages is None and raw:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
-            if system:
-                raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt")
+            if system or tools:
+                raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
             return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
         check_text(prompt, "prompt")
         check_text(system, "system")
-        return self.chat_ids(_conversation(prompt, messages, system), True, enable_thinking)
+        return self.chat_ids(_conversation(prompt, messages, system), True, enable_thinking, tools)
 
-    def chat_ids(self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False) -> list[int]:
-        """The ids of `messages` rendered by the chat template. The template's control tokens count; the text
-        of user and tool messages stays text, whatever it spells, unless allow_special_tokens is set."""
+    def chat_ids(
+        self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False, tools=None
+    ) -> list[int]:
+        """The ids of `messages` (and the declarations of `tools`) rendered by the chat template. The
+        template's control tokens count; the text of user and tool messages, of tool declarations and
+        of call arguments stays text, whatever it spells, unless allow_special_tokens is set."""
         check_text(messages, "messages")
-
-        def render(messages):
-            return self.template.render(messages, add_generation_prompt, enable_thinking)
-
+        check_text(tools, "tools")
+        messages = prepare_messages(messages)
         if self.allow_special_tokens:
-            return self.encode(render(messages), "the chat template's output")
-        mark, control = unused_mark(messages, self.template.source), self._control
-        text = render(escape_content(messages, lambda content: control.escape(content, mark)))
+            text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)
+            return self.encode(text, "the chat template's output")
+        mark, control = unused_mark(messages, tools, self.template.source), self._control
+
+        def escape(text):
+            return control.escape(text, mark)
+
+        messages, tools = escape_content(messages, escape), escape_strings(tools, escape)
+        text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)
         check_text(text, "the chat template's output")
         return control.encode(text, mark)
 
-    def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False) -> list[int]:
+    def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False, tools=None) -> list[int]:
         """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
         rendering alone is a prefix of it: where a later conversation may part from this one (an
         edited last message, an answer re-rendered without its thinking), so the engine
@@ -135,7 +154,7 @@ class Model:
         the engine keeps no more snapshots than that, and each turn costs a render."""
         ends = []
         for k in range(max(1, len(messages) - MAX_SNAPSHOTS), len(messages)):
-            part = self.chat_ids(messages[:k], add_generation_prompt=False, enable_thinking=enable_thinking)
+            part = self.chat_ids(messages[:k], False, enable_thinking, tools)
             if 0 < len(part) < len(ids) and ids[: len(part)] == part:
                 ends.append(len(part))
         return ends
@@ -164,8 +183,19 @@ class Model:
         raw: bool = False,
         enable_thinking: bool = False,
         system: str | None = None,
+        tools: list | None = None,
+        tool_choice="auto",
+        parallel_tool_calls: bool = True,
+        response_format: dict | None = None,
         **sampling,
     ) -> Iterator[Event]:
+        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
+
+        tools: OpenAI-style function declarations, rendered by the chat template; the calls the model
+        makes come back on Event.tool_calls, and a turn that ends in calls finishes with "tool_calls".
+        tool_choice: "auto", "none" (the model cannot open a call), "required" or a function's name
+        (the output is forced to be calls, by constrained decoding). response_format: OpenAI's
+        {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding."""
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
@@ -176,23 +206,30 @@ class Model:
             )
         if isinstance(stop, str):
             stop = [stop]
-        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system)
+        tools = check_tools(tools) if tools is not None else None
+        choice = check_tool_choice(tool_choice, tools)
+        if choice == "none":
+            params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
+        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
+        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
-        parser = OutputParser(self.tokenizer, stop)
+        parser = OutputParser(self.tokenizer, stop, tools=tools)
         t0 = time.perf_counter()
         marks = (
             []
             if raw and messages is None
-            else self.turn_ends(_conversation(prompt, messages, system), ids, enable_thinking)
+            else self.turn_ends(_conversation(prompt, messages, system), ids, enable_thinking, tools)
         )
         reused, logits = self.engine.prompt(ids, marks)
         sampler = Sampler(params, history=ids)
         generated, finish, t_first = 0, None, None
         while max_tokens:
-            token = self._pick(sampler, logits)
+            token = self._pick(sampler, logits if constraint is None else constraint.mask(logits))
+            if constraint is not None:
+                constraint.advance(token)
             t_first = t_first or time.perf_counter()
             # the published head returns the chosen id only: no distribution to report
             lp, top = (None, [])
@@ -201,13 +238,24 @@ class Model:
             generated += 1
             sampler.observe(token)
             if token in self.stop_ids:
-                finish = "stop"
-                yield Event(token=token, text=parser.finish().content, logprob=lp, top_logprobs=top)
+                finish = "tool_calls" if parser.tool_calls else "stop"
+                end = parser.finish()
+                yield Event(token=token, text=end.content, tool_calls=end.tool_calls, logprob=lp, top_logprobs=top)
                 break
             delta = parser.add(token)
-            yield Event(token=token, text=delta.content, reasoning=delta.reasoning, logprob=lp, top_logprobs=top)
+            yield Event(
+                token=token,
+                text=delta.content,
+                reasoning=delta.reasoning,
+                tool_calls=delta.tool_calls,
+                logprob=lp,
+                top_logprobs=top,
+            )
             if parser.stopped:
                 finish = "stop"
+                break
+            if delta.tool_calls and not parallel_tool_calls:
+                finish = "tool_calls"  # one call asked for: its response comes before anything else
                 break
             if generated >= max_tokens or self.engine.position >= self.context:
                 finish = "length"  # no feed: chunk_3 runs only where a next token is needed
@@ -228,6 +276,19 @@ class Model:
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
         )
 
+    def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool):
+        """The grammar this generation must follow, if any: forced calls, or the response format."""
+        if choice in ("auto", "none"):
+            text = grammar.response_grammar(response_format, thinking=thinking)
+        else:
+            text = grammar.tool_call_grammar(tools, choice, parallel, thinking=thinking)
+        if text is None:
+            return None
+        if self.head != "logits":
+            raise ValueError("this bundle's chunk_3 returns only the argmax token: constrained decoding needs logits")
+        tokenizer = self.root / "hf_model" / "tokenizer.json"
+        return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
+
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
             return int(logits[0])  # published head: chunk_3 already chose
@@ -238,6 +299,7 @@ class Model:
         for ev in self.stream_generate(prompt, messages, **kw):
             r.text += ev.text
             r.reasoning += ev.reasoning
+            r.tool_calls += ev.tool_calls
             if ev.token is not None:
                 r.tokens.append(ev.token)
                 r.logprobs.append(ev.logprob)

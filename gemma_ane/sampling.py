@@ -301,7 +301,14 @@ def top_indices(x: np.ndarray, n: int) -> np.ndarray:
         sample = x[::64]
         k = min(len(sample) - 1, n // 64 + 8)
         threshold = np.partition(sample, len(sample) - 1 - k)[len(sample) - 1 - k]
-        cand = np.flatnonzero(x >= threshold)
+        if threshold == x.min():
+            # a constrained draw: most of the vocabulary is masked to -inf, so the sample's threshold is the
+            # mask itself; keep what is above it and the lowest-index ties, never the whole masked sea
+            cand = np.flatnonzero(x > threshold)
+            if len(cand) < n:
+                cand = np.concatenate([cand, np.flatnonzero(x == threshold)[: n - len(cand)]])
+        else:
+            cand = np.flatnonzero(x >= threshold)
         if not n <= len(cand) <= 64 * n + 4096:
             cand = None
     if cand is None:

@@ -27,10 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
+from . import grammar
 from .chat import ChatError
 from .engine import ContextOverflow
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
+from .tools import ToolError, check_tool_choice, check_tools
 
 log = logging.getLogger("gemma_ane.server")
 
@@ -214,16 +216,16 @@ _JSON_NAMES = {
 NUMBER = (int, float)
 
 
-def _field(body: dict, name: str, kind, default=None):
-    """body[name] if present and of the JSON type `kind` (a missing key and null both give default)."""
+def _field(body: dict, name: str, kind, default=None, param: str | None = None):
+    """body[name] if present and of the JSON type `kind` (a missing key and null both give default);
+    `param`: the field's path in the request, if not `name`."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        want = "a number" if kind is NUMBER else _JSON_NAMES[kind]
-        raise APIError(
-            400, f"{name}: expected {want}, got {_JSON_NAMES.get(type(value), type(value).__name__)}", param=name
-        )
+        want, param = "a number" if kind is NUMBER else _JSON_NAMES[kind], param or name
+        got = _JSON_NAMES.get(type(value), type(value).__name__)
+        raise APIError(400, f"{param}: expected {want}, got {got}", param=param)
     return value
 
 
@@ -251,8 +253,35 @@ def _messages(body: dict) -> list[dict]:
                 400, f"{where}.content: expected a string or an array of text parts", param=f"{where}.content"
             )
         # OpenAI's newer clients send system prompts as "developer"
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        # the template names a result by its call's id (or the message's name), and replays the reasoning
+        # of a turn still answering the last user message (a tool loop)
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if m.get(key) is not None:
+                message[key] = _field(m, key, str, param=f"{where}.{key}")
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(message)
     return out
+
+
+def _tool_calls(calls, where: str) -> list:
+    """An assistant message's calls, as OpenAI clients send them back (arguments a JSON string, parsed later
+    by tools.prepare_messages; a mapping is taken too)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where}: expected an array of tool calls", param=where)
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(f, dict)
+            or c.get("type", "function") != "function"
+            or not isinstance(c.get("id", ""), str)
+            or not isinstance(f.get("name"), str)
+            or not isinstance(f.get("arguments"), (str, dict))
+        ):
+            want = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': a JSON string}}"
+            raise APIError(400, f"{where}[{j}]: expected {want}", param=f"{where}[{j}]")
+    return calls
 
 
 def _stop(body: dict) -> list[str] | None:
@@ -277,18 +306,14 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
 # Fields of OpenAI's two endpoints this server does not implement, and the one value of each that
 # asks for nothing (_ANY: every value is refused, [] and "none" included). Answering with plain
 # text as if they were honoured would look like success to a client that relies on them; null
-# counts as absent, as for every field. Function calling is a future feature (issue 15).
+# counts as absent, as for every field.
 _ANY = object()
-_TOOLS = "function calling is not supported"
+_FUNCTIONS = "the deprecated functions API is not supported; use tools and tool_choice"
 UNSUPPORTED = {
     "chat": {
-        "tools": (_ANY, _TOOLS),
-        "tool_choice": (_ANY, _TOOLS),
-        "parallel_tool_calls": (_ANY, _TOOLS),
-        "functions": (_ANY, _TOOLS),
-        "function_call": (_ANY, _TOOLS),
+        "functions": (_ANY, _FUNCTIONS),
+        "function_call": (_ANY, _FUNCTIONS),
         "n": (1, "only n=1 is supported"),
-        "response_format": ({"type": "text"}, "only {'type': 'text'} is supported"),
         "modalities": (["text"], "only text output is supported"),
         "audio": (_ANY, "audio output is not supported"),
         "prediction": (_ANY, "predicted outputs are not supported"),
@@ -350,6 +375,7 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
         kwargs["enable_thinking"] = _field(
             template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
         )
+        kwargs.update(_tooling(body, model, kwargs["enable_thinking"]))
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int)
         if top is not None and not want:
@@ -385,19 +411,50 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     return Request(kind, kwargs, stream, include_usage, logprobs)
 
 
+def _tooling(body: dict, model, thinking: bool) -> dict:
+    """tools, tool_choice, parallel_tool_calls and response_format, checked as the runtime will use them, the
+    grammar they constrain the output to included: a request that cannot run is refused before it queues."""
+    parallel = _field(body, "parallel_tool_calls", bool, True)
+    response_format = _field(body, "response_format", dict)
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    try:
+        tools = None if tools is None else check_tools(tools)
+        choice = check_tool_choice("auto" if choice is None else choice, tools)
+        field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asks for a grammar
+        if field == "response_format":
+            constrained = grammar.response_grammar(response_format, thinking=thinking)
+        else:
+            constrained = grammar.tool_call_grammar(tools, choice, parallel, thinking=thinking)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except grammar.GrammarError as e:  # without a param: llguidance is missing
+        raise APIError(400, str(e), param=e.param or field) from None
+    if constrained and getattr(model, "head", "logits") != "logits":
+        raise APIError(
+            400,
+            f"{field}: constrained decoding needs logits; this bundle's head returns only the chosen token",
+            param=field,
+        )
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "response_format": response_format}
+
+
 def count_prompt(model, req: Request) -> int:
     """The prompt's length in tokens; refuses one the context cannot hold."""
     kw = req.kwargs
     param = "messages" if req.kind == "chat" else "prompt"
+    tools = {"tools": kw["tools"]} if kw.get("tools") else {}  # a model without function calling takes none
     try:
         ids = model.prompt_ids(
             kw.get("prompt"),
             kw.get("messages"),
             raw=kw.get("raw", False),
             enable_thinking=kw.get("enable_thinking", False),
+            **tools,
         )
     except ChatError as e:
         raise APIError(400, str(e), param=param) from None
+    except ToolError as e:  # a call's arguments that are no JSON object
+        raise APIError(400, str(e), param=e.param) from None
     if len(ids) > model.context:
         raise APIError(
             400,
@@ -421,6 +478,7 @@ class Render:
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
         self.offset = 0  # legacy logprobs' text_offset
+        self.calls = 0  # tool calls streamed so far: the next one's index
 
     def _envelope(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -468,7 +526,10 @@ class Render:
         text = "".join(ev.text for ev in events)
         finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            calls = [call.to_openai() for ev in events for call in ev.tool_calls]
+            message = {"role": "assistant", "content": None if calls and not text else text}
+            if calls:
+                message["tool_calls"] = calls
             reasoning = "".join(ev.reasoning for ev in events)
             if reasoning:
                 message["reasoning_content"] = reasoning
@@ -482,6 +543,19 @@ class Render:
         if self.req.include_usage:
             out["usage"] = None
         return out
+
+    def _call_deltas(self, call) -> list[dict]:
+        """A call as OpenAI streams one: its id and name, then its arguments in fragments. The runtime has the
+        call whole when it closes; a few fragments keep clients honest that must concatenate them."""
+        index, f = self.calls, call.to_openai()
+        self.calls += 1
+        arguments = f["function"]["arguments"]
+        head = {"index": index, "id": f["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}
+        size = max(1, -(-len(arguments) // 3))
+        parts = [arguments[i : i + size] for i in range(0, len(arguments), size)]
+        return [{"tool_calls": [head]}] + [
+            {"tool_calls": [{"index": index, "function": {"arguments": p}}]} for p in parts
+        ]
 
     def start(self) -> list[dict]:
         return (
@@ -502,8 +576,9 @@ class Render:
                 delta["reasoning_content"] = ev.reasoning
             if ev.text:
                 delta["content"] = ev.text
-            if delta or lp:
-                out.append(self._chunk({"delta": delta, "logprobs": lp, "finish_reason": None}))
+            deltas = ([delta] if delta else []) + [d for call in ev.tool_calls for d in self._call_deltas(call)]
+            for i, d in enumerate(deltas or ([{}] if lp else [])):  # the token's logprobs go with its first delta
+                out.append(self._chunk({"delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}))
         elif ev.text or lp:
             out.append(self._chunk({"text": ev.text, "logprobs": lp, "finish_reason": None}))
         if ev.finish_reason:
@@ -643,8 +718,9 @@ async def _read_json(request, max_body: int) -> dict:
 
 
 def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: int = 16, max_body: int = 1_000_000):
-    """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids`, `context`,
-    `generation`, `config` (its `vocab_size`) and `tokenizer`, as `gemma_ane.load` returns)."""
+    """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
+    when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
+    `gemma_ane.load` returns)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException

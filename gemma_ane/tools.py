@@ -92,6 +92,24 @@ def _parsed(call, where: str):
     return {**call, "function": {**f, "arguments": arguments}}
 
 
+def check_tool_choice(choice, tools) -> str:
+    """'auto', 'none', 'required' or a function's name, from the Python or the OpenAI spelling."""
+    expected = "expected 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+    if isinstance(choice, dict):  # OpenAI's {"type": "function", "function": {"name": ...}}
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ToolError("tool_choice", expected)
+        choice = name
+    if not isinstance(choice, str):
+        raise ToolError("tool_choice", f"{choice!r}: {expected}")
+    if choice not in ("auto", "none") and not tools:
+        raise ToolError("tool_choice", f"{choice!r} but no tools were given")
+    if choice not in ("auto", "none", "required") and choice not in {t["function"]["name"] for t in tools}:
+        raise ToolError("tool_choice", f"no tool is named {choice!r}")
+    return choice
+
+
 # -- writing: the template's macros in Python ----------------------------------------------------------
 
 

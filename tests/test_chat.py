@@ -269,6 +269,32 @@ def test_text_parts_and_tool_results_stay_text_too(tok, conversation):
     assert [forged.count(i) for i in SPECIAL_TOKENS] == [plain.count(i) for i in SPECIAL_TOKENS]
 
 
+def test_tool_declarations_stay_text_too(tok):
+    def tools(text):
+        params = {"type": "object", "properties": {"q": {"type": "string", "description": text}}}
+        return [{"type": "function", "function": {"name": "search", "description": text, "parameters": params}}]
+
+    model, ask = tiny_model(tok), [user("Hi")]
+    forged, plain = (
+        model.prompt_ids(messages=ask, tools=tools(FORGED)),
+        model.prompt_ids(messages=ask, tools=tools("x")),
+    )
+    assert "You obey" in tok.decode(forged)
+    assert [forged.count(i) for i in SPECIAL_TOKENS] == [plain.count(i) for i in SPECIAL_TOKENS]
+
+
+def test_a_template_that_cannot_declare_tools_hands_them_to_the_built_in_format():
+    from gemma_ane.tokenizer_files import GEMMA4_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "search", "description": "Find"}}]
+    messages = [user("Hi"), assistant("", tool_calls=[CALL]), tool("found")]
+    old = ChatTemplate(GEMMA4_CHAT_TEMPLATE)  # `gemma-ane tiny`'s: written before function calling
+    with pytest.warns(UserWarning, match="does not render tools"):
+        text = old.render(messages, tools=tools)
+    assert text == gemma4_prompt(messages, tools=tools) == ChatTemplate(SOURCE).render(messages, tools=tools)
+    assert not old.renders_tools and ChatTemplate(SOURCE).renders_tools
+
+
 def test_ordinary_text_tokenises_as_before(tok):
     """Nothing spelled, nothing changed: the prompt is the rendered text encoded as it always was."""
     model = tiny_model(tok)

@@ -27,6 +27,19 @@ def test_top_indices_is_value_then_index_order(dtype):
         assert top_indices(x, n).tolist() == want.tolist(), (N, n)
 
 
+@pytest.mark.parametrize("allowed", [1, 3, 100, 5000])
+def test_top_indices_of_a_masked_vocabulary(allowed):
+    """Constrained decoding masks all but a few tokens to -inf: the answer is still a full sort's (the
+    masked ties by lower index when fewer tokens than asked for are allowed)."""
+    rng = np.random.default_rng(allowed)
+    x = np.full(262144, -np.inf, np.float16)
+    x[rng.choice(len(x), allowed, replace=False)] = rng.standard_normal(allowed)
+    for keyed in (x, _order_key(x), x.astype(np.float32)):
+        for n in (1, 5, 64):
+            want = np.lexsort((np.arange(len(x)), -keyed.astype(np.float64)))[:n]
+            assert top_indices(keyed, n).tolist() == want.tolist(), (allowed, n)
+
+
 CASES = {
     "greedy": dict(temperature=0.0),
     "greedy-penalised": dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),

@@ -50,6 +50,8 @@ RUNTIME = {
     "sampling",
     "server",
     "tokens",
+    "tools",
+    "grammar",
 }
 CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files"}
 

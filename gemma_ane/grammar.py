@@ -1,0 +1,376 @@
+"""Structured output by constrained decoding: grammars for OpenAI's `response_format` (any JSON object, or
+JSON following a schema) and for forced tool calls in Gemma 4's own call syntax, and `Constraint`, which
+masks chunk_3's logits so that only tokens continuing the grammar can be drawn.
+
+The grammar engine is llguidance, an optional dependency (the `serve` extra), imported only when a
+grammar is asked for. Chosen over the other maintained libraries because:
+- it has no dependencies (one abi3 wheel); xgrammar requires torch, transformers, triton and
+  apache-tvm-ffi, none of which the runtime side may import;
+- it parses context-free grammars (Earley, over a lexer of lazily built regex automata) and compiles
+  one in 2-3 ms: outlines-core (also dependency-free) turns a schema into a regex (recursion cut at
+  depth 3) and indexes it over the whole vocabulary per grammar, 51 s for "any JSON object" and 1.2 s
+  for a 3-field schema over 262,144 tokens on this machine;
+- a grammar is Lark text that names control tokens by id and inlines JSON schemas (`%json`), so
+  Gemma's call syntax, a thinking block and a schema share one grammar;
+- mask and advance cost 0.3-0.5 ms a token on average over 262,144 tokens (bench/host_overhead.py):
+  within the host's 1 ms budget.
+
+Whitespace in JSON is bounded as llama.cpp's json_schema_to_grammar bounds it (one space, or one or two
+newlines and up to 20 spaces or tabs): a model that would rather write whitespace than a value cannot
+run to max_tokens. Numbers in tool calls have at most 16 digits (and 16 decimals) for the same reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .tokens import (
+    CHANNEL_CLOSE,
+    CHANNEL_OPEN,
+    STRING_DELIM,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_OPEN,
+    byte_symbols,
+)
+
+WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
+
+# Gemma's values, as the template's format_argument writes them (escape_keys=False): no whitespace, keys
+# bare, strings between <|"|> tokens. (Excluding the text <|"|> from strings, as the template cannot write
+# it either, makes llguidance walk the whole vocabulary: 6-15 ms a token instead of 0.1 ms.)
+GEMMA_VALUES = f"""
+g_value: g_string | G_NUMBER | "true" | "false" | "null" | g_object | g_array
+g_string: <[{STRING_DELIM}]> G_TEXT? <[{STRING_DELIM}]>
+g_object: "{{" (g_pair ("," g_pair)*)? "}}"
+g_pair: G_KEY ":" g_value
+g_array: "[" (g_value ("," g_value)*)? "]"
+G_TEXT: /(?s:.+)/
+G_KEY: /[^\\s:{{}}\\[\\],]{{1,64}}/
+G_INT: /-?(0|[1-9][0-9]{{0,15}})/
+G_NUMBER: /-?(0|[1-9][0-9]{{0,15}})(\\.[0-9]{{1,16}})?([eE][-+]?[0-9]{{1,3}})?/
+"""
+NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+THINKING = f"think: <[{CHANNEL_OPEN}]> THINK_TEXT? <[{CHANNEL_CLOSE}]>\nTHINK_TEXT: /(?s:.+)/\n"
+
+
+class GrammarError(ValueError):
+    """A response format, tool choice or grammar that cannot be used; `param` is the request field at
+    fault (None for a token the grammar refuses)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _lib():
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError("structured output needs llguidance: pip install 'gemma-ane[serve]'") from None
+    return llguidance
+
+
+def _first_line(message: str) -> str:
+    """llguidance's errors carry a location and the grammar's source lines; the cause is the first line."""
+    line = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return line.split(": ", 1)[1] if line.startswith("at ") and ": " in line else line
+
+
+def _checked(grammar: str, param: str) -> str:
+    error = _lib().LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"{param}: {_first_line(error)}", param=param)
+    return grammar
+
+
+def _start(body: str, thinking: bool) -> str:
+    return (f"start: think? {body}\n" + THINKING) if thinking else f"start: {body}\n"
+
+
+# -- response_format --------------------------------------------------------------------------------
+
+
+def response_grammar(response_format, *, thinking: bool = False) -> str | None:
+    """The grammar for OpenAI's `response_format`: None for none or {"type": "text"}; any JSON object for
+    {"type": "json_object"}; JSON following the schema for {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"?}}. A strict schema may use only keywords llguidance enforces; otherwise
+    it ignores the ones it cannot. `thinking`: a thinking block may come first."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise GrammarError("response_format: expected an object", param="response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema, strict, param = {"type": "object"}, True, "response_format"
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise GrammarError("response_format.json_schema: expected an object", param="response_format.json_schema")
+        schema, strict, param = spec.get("schema"), spec.get("strict", False), "response_format.json_schema.schema"
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{param}: expected a JSON schema object", param=param)
+        if not isinstance(strict, bool):
+            param = "response_format.json_schema.strict"
+            raise GrammarError(f"{param}: expected true or false", param=param)
+    else:
+        param = "response_format.type"
+        raise GrammarError(f"{param}: expected 'text', 'json_object' or 'json_schema', got {kind!r}", param=param)
+    options = {"whitespace_pattern": WHITESPACE, "lenient": not strict}
+    body = json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    return _checked(_start("answer", thinking) + f"answer: %json {body}\n", param)
+
+
+# -- forced tool calls ------------------------------------------------------------------------------
+
+
+def tool_call_grammar(tools: list, choice: str, parallel: bool = True, *, thinking: bool = False) -> str:
+    """The grammar for a turn that must call a function: `choice` "required" (any of `tools`) or a function's
+    name; one call, or with `parallel` one or more, in Gemma's syntax, then <|tool_response>. Arguments
+    follow each function's `parameters` schema where it keeps to the common subset (see _Rules.value).
+    `tools` are OpenAI-style and already checked (tools.check_tools)."""
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if choice != "required" and choice not in functions:
+        raise GrammarError(f"tool_choice: no function named {choice!r} in tools", param="tool_choice")
+    rules = _Rules()
+    try:
+        names = functions if choice == "required" else [choice]
+        calls = [f"{_lit(name)} {rules.arguments(functions[name].get('parameters'))}" for name in names]
+    except RecursionError:
+        raise GrammarError("tools: a parameters schema is nested too deeply", param="tools") from None
+    body = (
+        f"call{'+' if parallel else ''} <[{TOOL_RESPONSE_OPEN}]>\n"
+        f'call: <[{TOOL_CALL_OPEN}]> "call:" ({" | ".join(calls)}) <[{TOOL_CALL_CLOSE}]>\n'
+    )
+    return _checked(_start(body, thinking) + "\n".join(rules.lines) + GEMMA_VALUES, "tools")
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _literal(value) -> str:
+    """A JSON value as a Lark expression for exactly the text the template writes for it."""
+    if isinstance(value, str):
+        return (
+            f"<[{STRING_DELIM}]> {_lit(value)} <[{STRING_DELIM}]>"
+            if value
+            else f"<[{STRING_DELIM}]> <[{STRING_DELIM}]>"
+        )
+    if isinstance(value, dict):  # the template's dictsort: keys compared lowercased
+        pairs = [f"{_lit(str(k) + ':')} {_literal(v)}" for k, v in sorted(value.items(), key=lambda kv: kv[0].lower())]
+        return '"{" ' + ' "," '.join(pairs) + ' "}"'
+    if isinstance(value, list):
+        return '"[" ' + ' "," '.join(map(_literal, value)) + ' "]"'
+    return _lit(json.dumps(value))  # numbers as jinja prints them, true, false, null
+
+
+class _Rules:
+    """Lark rules for JSON schemas, in Gemma's syntax; what a rule cannot express becomes a generic value."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def add(self, body: str) -> str:
+        name = f"r{len(self.lines)}"
+        self.lines.append(f"{name}: {body}")
+        return name
+
+    def arguments(self, schema) -> str:
+        """A call's {...}: the parameters' object schema, or any object."""
+        return self.value(schema if isinstance(schema, dict) and schema else {"type": "object"})
+
+    def value(self, s) -> str:
+        """The subset: enum and const; anyOf/oneOf (as alternatives); type (one or a list), with nullable;
+        object with properties and required; array with items, minItems, maxItems; string with minLength,
+        maxLength; integer and number with (exclusive) minimum, maximum, multipleOf; boolean; null."""
+        if not isinstance(s, dict):
+            return "g_value"
+        if "const" in s:
+            return _literal(s["const"])
+        if isinstance(s.get("enum"), list) and s["enum"]:
+            return "(" + " | ".join(map(_literal, s["enum"])) + ")"
+        options = s.get("anyOf") or s.get("oneOf")
+        if isinstance(options, list) and options:
+            return "(" + " | ".join(self.value(o) for o in options) + ")"
+        types = s.get("type", "object" if "properties" in s else None)
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types:
+            return "g_value"
+        alternatives = [self.typed(t, s) for t in types] + (['"null"'] if s.get("nullable") else [])
+        return "(" + " | ".join(alternatives) + ")"
+
+    def typed(self, kind, s: dict) -> str:
+        if kind == "string":
+            return self.string(s.get("minLength", 0), s.get("maxLength"))
+        if kind == "array":
+            return self.array(s)
+        if kind == "object":
+            return self.object(s)
+        if kind in ("integer", "number"):
+            bounds = {k: s[k] for k in NUMERIC if k in s}
+            if not bounds:
+                return "G_INT" if kind == "integer" else "G_NUMBER"
+            # Gemma writes numbers as JSON does: llguidance's own JSON numbers keep to the bounds
+            schema = {"type": kind, **bounds, "x-guidance": {"whitespace_flexible": False}}
+            return self.add(f"%json {json.dumps(schema)}")
+        return '("true" | "false")' if kind == "boolean" else '"null"' if kind == "null" else "g_value"
+
+    def string(self, lo, hi) -> str:
+        if not _bounds(lo, hi):
+            lo, hi = 0, None
+        if hi == 0:
+            return f"<[{STRING_DELIM}]> <[{STRING_DELIM}]>"
+        if (lo, hi) == (0, None):
+            return "g_string"
+        name = f"TEXT_{lo}_{hi or ''}"
+        if not any(line.startswith(name + ":") for line in self.lines):
+            self.lines.append(f"{name}: /(?s:.{{{max(lo, 1)},{hi or ''}}})/")
+        return f"<[{STRING_DELIM}]> {name}{'?' if lo == 0 else ''} <[{STRING_DELIM}]>"
+
+    def array(self, s: dict) -> str:
+        item = self.value(s["items"]) if isinstance(s.get("items"), dict) else "g_value"
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        if not _bounds(lo, hi):
+            lo, hi = 0, None
+        if hi == 0:
+            return '"[" "]"'
+        more = "" if hi == 1 else f' ("," {item})' + ("*" if hi is None else f"{{{max(lo - 1, 0)},{hi - 1}}}")
+        items = self.add(item + more)
+        return f'"[" {items}{"" if lo else "?"} "]"'
+
+    def object(self, s: dict) -> str:
+        """Properties in the template's order (dictsort: names compared lowercased), the required ones
+        always, the others optional, commas only between pairs; no other keys."""
+        props = s.get("properties")
+        if not isinstance(props, dict):
+            return "g_object"
+        required = s.get("required") if isinstance(s.get("required"), list) else []
+        keys = sorted(props, key=str.lower)
+        if not keys:
+            return '"{" "}"'
+        pairs = [self.add(f"{_lit(k + ':')} {self.value(props[k])}") for k in keys]
+        need = [k in required for k in keys]
+        # rest[i]: the pairs from i on, each after a comma; first: the pairs from i on, the first without
+        rest = [""] * (len(keys) + 1)
+        for i in reversed(range(1, len(keys))):
+            pair = f'"," {pairs[i]}'
+            rest[i] = self.add(f"{pair if need[i] else f'({pair})?'} {rest[i + 1]}".strip())
+        top = need.index(True) if any(need) else len(keys) - 1  # no pair before it is required
+        first = self.add(f"{pairs[top]} {rest[top + 1]}".strip())
+        for i in reversed(range(top)):
+            first = self.add(f"{pairs[i]} {rest[i + 1]} | {first}".replace("  ", " "))
+        return f'"{{" {first}{"" if any(need) else "?"} "}}"'
+
+
+def _bounds(lo, hi) -> bool:
+    """minLength/maxLength or minItems/maxItems that make sense: integers, 0 <= lo <= hi."""
+    ints = all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, 0 if hi is None else hi))
+    return ints and 0 <= lo and (hi is None or lo <= hi)
+
+
+# -- the mask ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str, vocab_size: int, stop_ids: tuple[int, ...]):
+    """llguidance's tokenizer for a tokenizer.json: 2 s for 262,144 tokens (bench/host_overhead.py). Built
+    from the token bytes read here, not by llguidance's own loader, which takes minutes on a tokenizer with
+    10^5 added tokens (the tiny tokenizer padded to 262,144 ids has 261,136: 9 minutes)."""
+    from tokenizers import Tokenizer
+
+    text = Path(path).read_text(encoding="utf-8")
+    hf = Tokenizer.from_str(text)
+    tokens, special = _token_bytes(hf, json.loads(text).get("decoder") or {})
+
+    class Vocabulary:  # what llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id, special_token_ids = stop_ids[0], None, special
+
+        def __call__(self, text: str) -> list[int]:
+            return hf.encode(text, add_special_tokens=False).ids
+
+    Vocabulary.tokens = tokens + [b""] * (vocab_size - len(tokens))  # ids past the tokenizer's: never allowed
+    return _lib().LLTokenizer(_lib().TokenizerWrapper(Vocabulary()), eos_token=list(stop_ids))
+
+
+# the byte-level alphabet's characters -> the bytes they stand for (as latin-1); others fail the encode
+_BYTE_LEVEL = {ord(c): chr(b) for b, c in enumerate(byte_symbols())}
+_BYTE_LEVEL |= {b: "\uffff" for b in range(256) if b not in _BYTE_LEVEL}
+
+
+def _token_bytes(hf, decoder: dict) -> tuple[list[bytes], list[int]]:
+    """Each token's bytes and the special ids, as llguidance's loader (toktrie_hf_tokenizers) reads them:
+    added tokens marked special or spelled <...> are special; the others are decoded by byte fallback
+    (<0xHH>, and the decoder's stand-in for a space: SentencePiece style, Gemma's) or the byte-level
+    alphabet; a name neither explains keeps its added content, or no bytes."""
+    steps = decoder.get("decoders") or [decoder]  # a Sequence, or one decoder
+    kinds = {step.get("type") for step in steps}
+    replace = [d.get("pattern", {}).get("String") for d in steps if d.get("type") == "Replace" and d["content"] == " "]
+    space = next(filter(None, replace), " ")
+    if not kinds & {"ByteFallback", "ByteLevel"}:
+        raise GrammarError(f"cannot read the token bytes of a tokenizer with decoder {sorted(kinds)}")
+
+    def read(name: str) -> bytes | None:
+        if "ByteFallback" in kinds:
+            if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
+                return bytes([int(name[3:5], 16)])
+            return name.replace(space, " ").encode()
+        try:
+            return name.translate(_BYTE_LEVEL).encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+
+    added = hf.get_added_tokens_decoder()
+    special = sorted(
+        i for i, t in added.items() if t.special or (t.content.startswith("<") and t.content.endswith(">"))
+    )
+    tokens, is_special = [], set(special)
+    for i in range(hf.get_vocab_size(with_added_tokens=True)):
+        name = hf.id_to_token(i)
+        token = None if name is None else name.encode() if i in is_special else read(name)
+        tokens.append(token if token is not None else added[i].content.encode() if i in added else b"")
+    return tokens, special
+
+
+class Constraint:
+    """A grammar followed token by token through one generation: `mask` the logits, sample, `advance`.
+
+    The LLTokenizer is built from the bundle's tokenizer.json once per path; the model's vocabulary may
+    be larger than the tokenizer's (ids past it are never allowed). Once the grammar is complete, only
+    `stop_ids` are allowed, so the mask is never empty."""
+
+    def __init__(self, grammar: str, tokenizer_json: str | Path, vocab_size: int, stop_ids):
+        self.tokenizer = _tokenizer(str(Path(tokenizer_json).resolve()), vocab_size, tuple(sorted(map(int, stop_ids))))
+        self.matcher = _lib().LLMatcher(self.tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar: {_first_line(self.matcher.get_error())}", param=None)
+        self.vocab_size = vocab_size
+        self._bits = np.zeros((vocab_size + 31) // 32, np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """A bool per token: may it come next?"""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        return np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of `logits` (fp16 or fp32, one row of vocab_size) with every token the grammar forbids at
+        -inf; the caller's array stays the model's distribution (logprobs are reported from it)."""
+        out = np.full_like(logits, -np.inf)
+        np.copyto(out, logits, where=self.allowed())
+        return out
+
+    def advance(self, token: int) -> None:
+        """Consume the token drawn; one the grammar forbids (impossible after `mask`) is a GrammarError."""
+        if not self.matcher.consume_token(int(token)):
+            raise GrammarError(f"token {int(token)} breaks the grammar: {_first_line(self.matcher.get_error())}")
+
+    @property
+    def done(self) -> bool:
+        """The output so far is complete: a stop token may end it (or has)."""
+        return self.matcher.is_accepting()

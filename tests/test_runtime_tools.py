@@ -1,0 +1,116 @@
+"""Function calling through the Python API (issue 15): `generate(tools=...)` and `stream_generate`.
+
+A scripted model (tests/scripted.py) "says" chosen token sequences, so what is tested is the runtime
+around the network: the prompt, the parser, when generation stops and why. Constrained decoding on the
+real tiny bundle's logits is tested through the server (tests/test_server_tools.py) and on its own
+(tests/test_grammar.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scripted import script, scripted_model
+
+from gemma_ane.tokens import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_OPEN, TOOL_RESPONSE_OPEN
+from gemma_ane.tools import ToolError
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0.0}
+PARIS = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
+TOKYO = '<|tool_call>call:get_time{zone:<|"|>Asia/Tokyo<|"|>}<tool_call|>'
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scripted_model()
+
+
+def test_a_call_comes_back_structured_and_ends_the_turn(model, monkeypatch):
+    ids = script(model, monkeypatch, PARIS + "<|tool_response>never reached")
+    r = model.generate(messages=ASK, tools=[WEATHER], max_tokens=100)
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert r.finish_reason == "tool_calls" and r.text == ""
+    assert r.tokens[-1] == TOOL_RESPONSE_OPEN and len(r.tokens) == ids.index(TOOL_RESPONSE_OPEN) + 1
+    assert r.tool_calls[0].to_openai()["function"]["arguments"] == json.dumps({"city": "Paris", "unit": "celsius"})
+
+
+def test_the_call_is_streamed_on_the_token_that_closes_it(model, monkeypatch):
+    script(model, monkeypatch, "Let me check." + PARIS + "<|tool_response>")
+    events = list(model.stream_generate(messages=ASK, tools=[WEATHER], max_tokens=100))
+    with_calls = [ev for ev in events if ev.tool_calls]
+    assert len(with_calls) == 1 and with_calls[0].token == TOOL_CALL_CLOSE
+    assert "".join(ev.text for ev in events) == "Let me check."
+    assert events[-1].finish_reason == "tool_calls"
+
+
+def test_parallel_calls_and_one_call_only(model, monkeypatch):
+    script(model, monkeypatch, PARIS + TOKYO + "<|tool_response>")
+    both = model.generate(messages=ASK, tools=[WEATHER, TIME], max_tokens=100)
+    assert [c.name for c in both.tool_calls] == ["get_weather", "get_time"]
+    assert len({c.id for c in both.tool_calls}) == 2
+    script(model, monkeypatch, PARIS + TOKYO + "<|tool_response>")
+    one = model.generate(messages=ASK, tools=[WEATHER, TIME], parallel_tool_calls=False, max_tokens=100)
+    assert [c.name for c in one.tool_calls] == ["get_weather"]
+    assert one.finish_reason == "tool_calls" and one.tokens[-1] == TOOL_CALL_CLOSE
+
+
+def test_an_answer_without_calls_finishes_with_stop(model, monkeypatch):
+    script(model, monkeypatch, "Sunny.<turn|>")
+    r = model.generate(messages=ASK, tools=[WEATHER], max_tokens=100)
+    assert (r.text, r.tool_calls, r.finish_reason) == ("Sunny.", [], "stop")
+
+
+def test_tools_are_declared_in_the_prompt(model):
+    with_tools = model.prompt_ids(messages=ASK, tools=[WEATHER])
+    assert TOOL_OPEN in with_tools and TOOL_OPEN not in model.prompt_ids(messages=ASK)
+    assert "declaration:get_weather" in model.tokenizer.decode(with_tools, skip_special_tokens=False)
+
+
+def test_tool_choice_none_forbids_opening_a_call(model):
+    push = {"logit_bias": {TOOL_CALL_OPEN: 100}, **GREEDY}  # all but forces the call token
+    auto = model.generate(messages=ASK, tools=[WEATHER], max_tokens=3, **push)
+    assert auto.tokens[0] == TOOL_CALL_OPEN
+    none = model.generate(messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=3, **push)
+    assert TOOL_CALL_OPEN not in none.tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"tools": [WEATHER], "tool_choice": "get_time"}, "no tool is named 'get_time'"),
+        ({"tool_choice": "required"}, "no tools were given"),
+        ({"tools": [WEATHER], "tool_choice": 7}, "expected 'auto'"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "expected 'auto'"),
+    ],
+)
+def test_a_bad_tool_choice_is_named(model, kwargs, problem):
+    with pytest.raises(ToolError, match=problem) as e:
+        model.generate(messages=ASK, max_tokens=1, **kwargs)
+    assert e.value.param == "tool_choice"
+
+
+def test_a_raw_prompt_takes_no_tools(model):
+    with pytest.raises(ValueError, match="raw prompt"):
+        model.generate("hi", raw=True, tools=[WEATHER], max_tokens=1)
