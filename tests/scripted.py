@@ -17,6 +17,30 @@ from gemma_ane.tokenizer_files import build_tokenizer
 TEMPLATE = (Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja").read_text()
 VOCAB = 1024
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# what the model writes to call them, as the template renders such calls
+PARIS = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
+TOKYO = '<|tool_call>call:get_time{zone:<|"|>Asia/Tokyo<|"|>}<tool_call|>'
+
 
 class ScriptedEngine:
     """An engine without a network: flat logits (the scripted pick chooses), room for long prompts."""

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 from openai import BadRequestError, OpenAI
-from scripted import script, scripted_model
+from scripted import ASK, PARIS, TIME, TOKYO, WEATHER, script, scripted_model
 from test_server import THOUGHT, FakeModel
 
 import gemma_ane
@@ -27,29 +27,7 @@ from gemma_ane.server import build_app
 from gemma_ane.tokens import TOOL_RESPONSE_OPEN
 
 NAME = "tiny"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
-}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS_ARGS = {"city": "Paris", "unit": "celsius"}
-PARIS = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
-TOKYO = '<|tool_call>call:get_time{zone:<|"|>Asia/Tokyo<|"|>}<tool_call|>'
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 
 
