@@ -13,6 +13,7 @@ import threading
 import warnings
 from contextlib import contextmanager
 
+from . import files
 from .bundle import BundleError
 from .checkpoint import CheckpointError
 from .engine import NonFiniteOutput
@@ -451,15 +452,13 @@ _OPTIONAL = {
 }
 
 
-class _Stopped(BaseException):
-    """SIGTERM or SIGHUP as an exception, like Ctrl-C's KeyboardInterrupt, so the same cleanup runs
-    (`files.building`'s partial bundle, temporary files). Not an Exception: nothing may swallow it."""
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _stop(signum, frame):
-    for s in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the cleanup
+    for s in STOPPING:  # a second signal must not interrupt the cleanup
         signal.signal(s, signal.SIG_IGN)
-    raise _Stopped(signum)
+    files.stop(signum, frame)
 
 
 @contextmanager
@@ -467,7 +466,7 @@ def _stoppable():
     if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
         yield
         return
-    saved = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    saved = {s: signal.signal(s, _stop) for s in STOPPING}
     try:
         yield
     finally:
@@ -481,7 +480,11 @@ def main(argv=None) -> int:
     warnings.formatwarning = lambda message, *_, **__: f"gemma-ane {args.command}: warning: {message}\n"
     try:
         with _stoppable():
-            rc = args.fn(args) or 0
+            try:
+                rc = args.fn(args) or 0
+            except Exception:
+                files.stop_point()  # a failure that follows a swallowed signal is the signal's doing
+                raise
             sys.stdout.flush()  # a reader that left shows here, not in the flush at exit
         return rc
     except BrokenPipeError:
@@ -489,8 +492,8 @@ def main(argv=None) -> int:
         # point stdout at devnull so the interpreter's last flush does not complain either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except (KeyboardInterrupt, _Stopped) as e:
-        signum = e.args[0] if isinstance(e, _Stopped) else signal.SIGINT
+    except (KeyboardInterrupt, files.Stopped) as e:
+        signum = e.args[0] if isinstance(e, files.Stopped) else signal.SIGINT
         print(f"gemma-ane {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
     except (

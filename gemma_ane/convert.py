@@ -25,7 +25,7 @@ import numpy as np
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .files import FileFormatError, building, is_within, sha256_file, tree_size
+from .files import FileFormatError, building, is_within, sha256_file, stop_point, tree_size
 from .host import quantize_rows, rope_tables
 from .spec import ChunkPlan, ConfigError, ModelSpec
 
@@ -471,6 +471,7 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, stage: str):
+        stop_point()  # between stages: a signal swallowed inside the last one ends the conversion here
         _reset_peak_rss()
         t0 = time.perf_counter()
         try:

@@ -93,6 +93,7 @@ def building(out: str | Path):
         except OSError as e:
             raise FileFormatError(f"{out}: cannot write here ({e.strerror or e})") from None
         yield tmp
+        stop_point()  # a signal whose exception some library swallowed still cancels the result
         _make_shareable(tmp)  # mkdtemp (and coremltools) create private files
         if out.exists():
             shutil.rmtree(out)
@@ -108,3 +109,27 @@ def _make_shareable(root: Path) -> None:
     root.chmod(0o777 & ~umask)
     for p in root.rglob("*"):
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+# -- signals ---------------------------------------------------------------------------------------
+
+
+class Stopped(BaseException):
+    """A signal (SIGINT, SIGTERM, SIGHUP) as an exception, so the same cleanup runs as for any failure
+    (`building`'s partial directory, temporary files); args[0] is the signal number. Not an Exception:
+    `except Exception` does not swallow it."""
+
+
+_received: list[int] = []
+
+
+def stop(signum, frame=None):
+    """The CLI's signal handler. The signal is also remembered: a library's bare `except:` can swallow the
+    exception, and `stop_point` raises it again where the work can still be abandoned."""
+    _received.append(signum)
+    raise Stopped(signum)
+
+
+def stop_point() -> None:
+    if _received:
+        raise Stopped(_received[0])

@@ -354,6 +354,30 @@ def test_a_signal_during_convert_leaves_nothing_behind(signum, tiny_e2b, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and list(tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("stage", ["trace_function", "merge_functions"])
+def test_a_signal_a_library_swallows_still_stops_the_conversion(capsys, tiny_e2b, tmp_path, monkeypatch, stage):
+    """A bare `except:` in a library can swallow the exception a signal handler raises; the signal is
+    remembered, and the next stage, or at the latest publishing the bundle, ends the conversion."""
+    from gemma_ane import convert as convert_mod
+    from gemma_ane import files
+
+    monkeypatch.setattr(files, "_received", [])
+
+    def swallowed(*a, **k):
+        try:
+            files.stop(signal.SIGTERM)
+        except BaseException:  # noqa: S110 (what the library does)
+            pass
+
+    monkeypatch.setattr(convert_mod, "trace_function", lambda *a: None)
+    monkeypatch.setattr(convert_mod, "finish_function", lambda *a, **k: None)
+    monkeypatch.setattr(convert_mod, "merge_functions", lambda *a, **k: None)
+    monkeypatch.setattr(convert_mod, stage, swallowed)
+    rc, out, err = run(capsys, "convert", tiny_e2b, tmp_path / "out", "--bits", "16", "--context", "128", "--quiet")
+    assert rc == 128 + signal.SIGTERM and err == "gemma-ane convert: interrupted (SIGTERM)\n", err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_temporary_packages_live_in_the_partial_bundle(capsys, tiny_e2b, tmp_path, monkeypatch):
     """coremltools' save_multifunction leaves a whole package in $TMPDIR until the process exits
     (an atexit hook): never, if it is killed. Tracing is skipped here; the merge makes its temporary

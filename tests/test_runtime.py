@@ -665,8 +665,8 @@ def test_template_naming_an_internal_gets_nothing(source):
 
 
 def test_template_errors_are_chat_errors(model):
-    with pytest.raises(ChatError, match="tool"):
-        model.template.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatError, match="critic"):
+        model.template.render([{"role": "critic", "content": "x"}])
     with pytest.raises(ChatError):
         ChatTemplate("{% for %}")
 
