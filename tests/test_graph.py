@@ -78,7 +78,7 @@ def test_bf16_sharded_checkpoint(tiny_bf16_sharded):
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_e2b", "tiny_gqa"])
 def test_fp16_graph_within_documented_tolerance(request, fixture):
-    r = verify_graph(request.getfixturevalue(fixture), tokens=80, prompt_len=13, precision="fp16")
+    r = verify_graph(request.getfixturevalue(fixture), tokens=48, prompt_len=13, precision="fp16")  # 3 windows
     assert r["top1_agreement"] >= FP16_MIN_TOP1 and r["min_cosine"] >= FP16_MIN_COSINE, r
     assert r["passed"]
 
