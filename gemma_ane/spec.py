@@ -1,7 +1,7 @@
 """What the model is (ModelSpec) and how it is cut into Core ML chunks (ChunkPlan).
 
 Both are plain data derived from a Hugging Face config.json: no torch, no transformers, so the
-runtime can use them too. Every rule here mirrors `transformers.models.gemma4` (5.23); where a
+runtime can use them too. Every rule here mirrors `transformers.models.gemma4` (5.24); where a
 config asks for something the chunk graph cannot express, `ConfigError` names the field.
 """
 
