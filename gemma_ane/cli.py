@@ -48,8 +48,11 @@ def cmd_plan(a):
 def cmd_tiny(a):
     from .tiny import write_tiny
 
-    out = write_tiny(a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force)
-    print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}")
+    out = write_tiny(
+        a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
+    )
+    drafter = f", its assistant to {a.assistant}" if a.assistant else ""
+    print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}{drafter}")
 
 
 def cmd_verify(a):
@@ -358,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     s.add_argument("--shards", type=int, default=1)
+    s.add_argument("--assistant", metavar="DIR", help="also write a matched drafter (Gemma4AssistantForCausalLM) here")
     s.add_argument("--force", action="store_true")
     s.set_defaults(fn=cmd_tiny)
 

@@ -1,7 +1,7 @@
-"""What the model is (ModelSpec) and how it is cut into Core ML chunks (ChunkPlan).
+"""What the model is (ModelSpec), its drafter (AssistantSpec), and how it is cut into Core ML chunks (ChunkPlan).
 
-Both are plain data derived from a Hugging Face config.json: no torch, no transformers, so the
-runtime can use them too. Every rule here mirrors `transformers.models.gemma4` (5.23); where a
+All are plain data derived from a Hugging Face config.json: no torch, no transformers, so the
+runtime can use them too. Every rule here mirrors `transformers.models.gemma4` (5.24); where a
 config asks for something the chunk graph cannot express, `ConfigError` names the field.
 """
 
@@ -111,20 +111,7 @@ class ModelSpec:
     @classmethod
     def from_pretrained(cls, src: str | Path) -> ModelSpec:
         """A config.json path, or a directory holding one (checkpoint dir or bundle's hf_model/)."""
-        path = Path(src)
-        if path.is_dir():
-            for candidate in (path / "config.json", path / "hf_model" / "config.json"):
-                if candidate.is_file():
-                    path = candidate
-                    break
-            else:
-                raise ConfigError(f"{src}: no config.json in this directory")
-        if not path.is_file():
-            raise ConfigError(f"{src}: no such file or directory")
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not a readable JSON config ({e})") from None
+        path, config = _read_config(src)
         try:
             return cls.from_config(config)
         except ConfigError as e:
@@ -194,6 +181,23 @@ class ModelSpec:
 
 
 # -- reading a config: one step of ModelSpec.from_config each ----------------------------------
+
+
+def _read_config(src: str | Path) -> tuple[Path, dict]:
+    path = Path(src)
+    if path.is_dir():
+        for candidate in (path / "config.json", path / "hf_model" / "config.json"):
+            if candidate.is_file():
+                path = candidate
+                break
+        else:
+            raise ConfigError(f"{src}: no config.json in this directory")
+    if not path.is_file():
+        raise ConfigError(f"{src}: no such file or directory")
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable JSON config ({e})") from None
 
 
 def _text_config(config) -> dict:
@@ -392,6 +396,124 @@ def _eos_ids(config: dict, text: dict) -> tuple[int, ...]:
     if not eos:
         raise ConfigError("eos_token_id: empty")
     return eos
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AssistantSpec:
+    """Gemma 4's drafter (Gemma4AssistantForCausalLM, transformers 5.24) checked against the target it drafts for.
+    It has no K/V of its own: each layer attends to the K/V of the target's last cache-owning layer of its type,
+    so head dims, KV heads, window and RoPE must be the target's; its input is [scaled embedding; hidden] of the
+    target (2 x backbone_hidden_size wide)."""
+
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]  # per layer
+    kv_heads: tuple[int, ...]  # per layer
+    kv_source: tuple[int, ...]  # per layer: the *target* layer whose K/V it attends to
+    backbone_hidden_size: int
+    vocab_size: int
+    sliding_window: int
+    rope: dict  # layer type -> Rope
+    rms_norm_eps: float
+    num_centroids: int  # 0: a plain tied head; else token clusters of vocab_size / num_centroids
+    centroid_top_k: int  # clusters whose tokens get real logits
+
+    @classmethod
+    def from_pretrained(cls, src: str | Path, target: ModelSpec) -> AssistantSpec:
+        path, config = _read_config(src)
+        try:
+            return cls.from_config(config, target)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_config(cls, config: dict, target: ModelSpec) -> AssistantSpec:
+        if not isinstance(config, dict) or config.get("model_type") != "gemma4_assistant":
+            mt = config.get("model_type") if isinstance(config, dict) else None
+            raise ConfigError(f"model_type={mt!r}: not a Gemma 4 assistant (gemma4_assistant)")
+        if not isinstance(config.get("text_config"), dict):
+            raise ConfigError("text_config: missing or not a JSON object")
+        text = _text_config(config["text_config"])
+        get = partial(_get, text)
+        _check_supported(text)
+        if get("hidden_size_per_layer_input", int, 0) or get("use_double_wide_mlp", bool, False):
+            raise ConfigError("hidden_size_per_layer_input, use_double_wide_mlp: an assistant has neither")
+        n_layers, n_heads, head_dim = get("num_hidden_layers"), get("num_attention_heads"), get("head_dim")
+        layer_types = _layer_types(text.get("layer_types"), n_layers)
+        n_shared = get("num_kv_shared_layers", int, 0) or n_layers  # as Gemma4AssistantConfig.__post_init__
+        if n_shared != n_layers:
+            raise ConfigError(f"num_kv_shared_layers={n_shared}: every one of the {n_layers} layers must be shared")
+        k_eq_v = get("attention_k_eq_v", bool, False)
+        head_dims, kv_heads = _head_shapes(text, layer_types, head_dim, get("num_key_value_heads"), k_eq_v)
+        _check_head_shapes(layer_types, head_dims, kv_heads, n_heads)
+        for name, mine, theirs in (
+            ("backbone_hidden_size", _get(config, "backbone_hidden_size", int, 1536), target.hidden_size),
+            ("vocab_size", get("vocab_size"), target.vocab_size),
+            ("sliding_window", get("sliding_window", int, 512), target.sliding_window),
+        ):
+            if mine != theirs:
+                raise ConfigError(f"{name}={mine}: the target's is {theirs} (an assistant for another model)")
+        kv_source = [_producer(target, t, i) for i, t in enumerate(layer_types)]
+        for i, src in enumerate(kv_source):
+            if (head_dims[i], kv_heads[i]) != (target.head_dims[src], target.kv_heads[src]):
+                raise ConfigError(
+                    f"layer {i}: head_dim {head_dims[i]} x {kv_heads[i]} KV heads, but the target layer {src} it "
+                    f"reads has {target.head_dims[src]} x {target.kv_heads[src]} (an assistant for another model)"
+                )
+        rope_params = text.get("rope_parameters") or _DEFAULT_ROPE
+        rope = {t: _rope(t, rope_params, head_dims[layer_types.index(t)]) for t in sorted(set(layer_types))}
+        for t, r in rope.items():
+            if r != target.rope[t]:
+                raise ConfigError(f"rope_parameters.{t}: differs from the target's, whose keys it attends to")
+        centroids, top_k = _centroid_head(config, get("vocab_size"))
+        return cls(
+            hidden_size=get("hidden_size"),
+            num_heads=n_heads,
+            intermediate_size=get("intermediate_size"),
+            layer_types=tuple(layer_types),
+            head_dims=tuple(head_dims),
+            kv_heads=tuple(kv_heads),
+            kv_source=tuple(kv_source),
+            backbone_hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            sliding_window=target.sliding_window,
+            rope=rope,
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            num_centroids=centroids,
+            centroid_top_k=top_k,
+        )
+
+    @property
+    def cluster_size(self) -> int:
+        return self.vocab_size // self.num_centroids
+
+
+def _producer(target: ModelSpec, layer_type: str, layer: int) -> int:
+    """The target layer an assistant layer reads: the last that owns a cache of its type (transformers 5.24 stores
+    its K/V in `shared_kv_states[layer_type]` whether or not the target itself shares it)."""
+    owners = [j for j in range(target.num_layers) if target.owns_cache(j) and target.layer_types[j] == layer_type]
+    if not owners:
+        raise ConfigError(f"layer {layer} ({layer_type}): the target has no such layer to read K/V from")
+    return owners[-1]
+
+
+def _centroid_head(config: dict, vocab: int) -> tuple[int, int]:
+    """(num_centroids, top_k) of an ordered-embedding head, or (0, 0) for a plain one."""
+    if not _get(config, "use_ordered_embeddings", bool, False):
+        return 0, 0
+    n, k = _get(config, "num_centroids", int, 2048), _get(config, "centroid_intermediate_top_k", int, 32)
+    if n <= 0 or vocab % n:
+        raise ConfigError(f"num_centroids={n}: must divide vocab_size={vocab}")
+    if not 0 < k <= n:
+        raise ConfigError(f"centroid_intermediate_top_k={k}: must lie in [1, num_centroids={n}]")
+    return n, k
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 They exist so every test can compare against transformers' forward pass. The weights are chosen
 so that a wrong formula cannot hide: norm weights far from 1, layer scalars far from 1, and a
-residual stream large enough that a naive fp16 RMSNorm would overflow.
+residual stream large enough that a naive fp16 RMSNorm would overflow. Each preset also has a
+matched drafter (Gemma4AssistantForCausalLM) for speculative decoding.
 """
 
 from __future__ import annotations
@@ -140,6 +141,58 @@ def text_config(preset: str) -> dict:
     return cfg
 
 
+# The drafter of every preset, shaped like E2B's (4 layers S,S,S,F, narrower than its target, fewer query
+# heads), with the attention geometry of its target: every layer reads the K/V of the target's last cache-owning
+# layer of its type, so head dims, KV heads, window and RoPE must be the target's. Its head keeps the real one's
+# structure at the tiny vocabulary: clusters of 16 tokens, the best 1/8 of them scored in full (E2B: 2048
+# clusters of 128 tokens, the best 32 scored).
+ASSISTANT = dict(hidden_size=32, intermediate_size=128, num_attention_heads=2, cluster_size=16, top_fraction=8)
+FROM_TARGET = (
+    "vocab_size",
+    "head_dim",
+    "global_head_dim",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "attention_k_eq_v",
+    "sliding_window",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
+
+
+def assistant_config(preset: str) -> dict:
+    """The config.json of `preset`'s tiny drafter (model_type gemma4_assistant)."""
+    target = text_config(preset)
+    text = {k: target[k] for k in FROM_TARGET if k in target}
+    text.update(
+        model_type="gemma4_text",
+        hidden_size=ASSISTANT["hidden_size"],
+        intermediate_size=ASSISTANT["intermediate_size"],
+        num_attention_heads=ASSISTANT["num_attention_heads"],
+        num_hidden_layers=4,
+        num_kv_shared_layers=4,
+        layer_types=[S, S, S, F],
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        use_double_wide_mlp=False,
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+    )
+    clusters = target["vocab_size"] // ASSISTANT["cluster_size"]
+    return dict(
+        model_type="gemma4_assistant",
+        text_config=text,
+        backbone_hidden_size=target["hidden_size"],
+        use_ordered_embeddings=True,
+        num_centroids=clusters,
+        centroid_intermediate_top_k=clusters // ASSISTANT["top_fraction"],
+        tie_word_embeddings=True,
+    )
+
+
 def _randomize(model, seed: int, post_norm: float = 1.0, embed: float = 1.0) -> None:
     import torch
 
@@ -215,6 +268,60 @@ def build_model(preset: str, seed: int = 0):
     return model
 
 
+def _randomize_assistant(model, seed: int, embed: float) -> None:
+    """The target's rules (see _randomize), plus: each half of the drafter's input [scaled embedding; post-norm
+    hidden] is brought to unit scale by pre_projection, so a drafter fed the unscaled embedding or a zero
+    hidden state is visibly wrong; centroids as wide as the tied embedding, so the top clusters are far apart."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def uniform(shape, lo, hi):
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    B = model.backbone_hidden_size
+    # the target's input halves: embedding rows randn * 2 * embed, times sqrt(B); its final norm weights ~0.4
+    half_scale = (2.0 * embed * math.sqrt(B), 0.4)
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if name.endswith("q_norm.weight"):
+            value = uniform(shape, 0.25, 0.75)
+        elif name == "model.norm.weight":
+            value = uniform(shape, 0.2, 0.6)
+        elif name.endswith("norm.weight"):
+            value = uniform(shape, 0.5, 2.0)
+        elif name in ("model.embed_tokens.weight", "masked_embedding.centroids.weight"):
+            value = torch.randn(shape, generator=g) * 2.0
+        elif name == "pre_projection.weight":
+            value = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            value[:, :B] /= half_scale[0]
+            value[:, B:] /= half_scale[1]
+        else:
+            value = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        p.data.copy_(value)
+    for layer in model.model.layers:
+        layer.layer_scalar.copy_(uniform(1, 0.4, 1.6))
+    vocab = model.masked_embedding.token_ordering.numel()
+    model.masked_embedding.token_ordering.copy_(torch.randperm(vocab, generator=g))
+
+
+def build_assistant(preset: str, seed: int = 0):
+    """A Gemma4AssistantForCausalLM with random weights, matched to build_model(preset)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    cfg = assistant_config(preset)
+    del cfg["model_type"]
+    config = Gemma4AssistantConfig(**{**cfg, "text_config": Gemma4TextConfig(**cfg["text_config"])})
+    model = Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        _randomize_assistant(model, seed, CONDITIONING.get(preset, {}).get("embed", 1.0))
+    # transformers' assisted generate takes the draft length from the drafter's generation config, with no default
+    model.generation_config.num_assistant_tokens = 4
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    return model
+
+
 def _write_shards(state: dict, out: Path, shards: int) -> None:
     from safetensors.torch import save_file
 
@@ -266,8 +373,10 @@ def write_tiny(
     dtype: str = "fp32",
     shards: int = 1,
     force: bool = False,
+    assistant: str | os.PathLike | None = None,
 ) -> Path:
-    """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path."""
+    """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path. With `assistant`,
+    also write its drafter there (Gemma4AssistantForCausalLM, HF layout, one safetensors file)."""
     import torch
 
     if dtype not in ("fp32", "bf16"):
@@ -275,13 +384,29 @@ def write_tiny(
     if shards < 1:
         raise ValueError(f"--shards {shards}: must be >= 1")
     out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out}: already exists (use --force to replace it)")
+    for path in (out, assistant):
+        if path is not None and Path(path).exists() and not force:
+            raise FileExistsError(f"{path}: already exists (use --force to replace it)")
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = build_model(preset, seed)
     with checkpoint_dir(out, text_config(preset)["vocab_size"]) as tmp:
-        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        state = {k: v.detach().to(torch_dtype) for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        _write_shards(state, tmp, shards)
-        model.config.dtype = "bfloat16" if dtype == "bf16" else "float32"
-        model.config.save_pretrained(tmp)
+        _save(model, tmp, torch_dtype, shards)
+    if assistant is not None:
+        drafter = build_assistant(preset, seed)
+        with building(assistant) as tmp:
+            _save(drafter, tmp, torch_dtype, 1)
+            drafter.generation_config.save_pretrained(tmp)
     return out
+
+
+def _save(model, tmp: Path, torch_dtype, shards: int) -> None:
+    """Weights (the tied head left out, integer buffers such as token_ordering kept) and config.json."""
+    state = {
+        k: v.detach().to(torch_dtype) if v.is_floating_point() else v.detach()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    _write_shards(state, tmp, shards)
+    model.config.dtype = str(torch_dtype).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]  # as the Hub's configs name it
+    model.config.save_pretrained(tmp)

@@ -69,7 +69,7 @@ def plan(tiny_e2b) -> ChunkPlan:
 @pytest.fixture(scope="module")
 def text_cfg(tiny_e2b) -> dict:
     """The tiny text config, with `global_head_dim` filled in from `per_layer_config` (the form
-    transformers 5.23 writes) so the checks below can use either spelling."""
+    transformers 5.24 writes) so the checks below can use either spelling."""
     t = json.loads((tiny_e2b / "config.json").read_text())["text_config"]
     if "global_head_dim" not in t:
         dims = {v["head_dim"] for v in t["per_layer_config"].values()}

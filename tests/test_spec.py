@@ -59,7 +59,7 @@ def test_config_forms_agree(e2b_config, tmp_path):
 
 def test_transformers_saved_config_is_read(tiny_e2b):
     saved = json.loads((tiny_e2b / "config.json").read_text())
-    assert "per_layer_config" in saved["text_config"]  # what transformers 5.23 writes
+    assert "per_layer_config" in saved["text_config"]  # what transformers 5.24 writes
     s = ModelSpec.from_pretrained(tiny_e2b)
     hf = hf_text_config(saved["text_config"])
     assert s.head_dims == tuple(hf.per_layer_config[i].head_dim for i in range(s.num_layers))
