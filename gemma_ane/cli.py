@@ -12,12 +12,14 @@ import sys
 import threading
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 from . import files
 from .bundle import BundleError
 from .checkpoint import CheckpointError
 from .engine import NonFiniteOutput
 from .files import write_json
+from .grammar import GrammarError, response_grammar
 from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 
@@ -174,9 +176,11 @@ def cmd_generate(a):
 
     from . import load
 
+    kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
+    if a.json_schema is not None:
+        kw["response_format"] = _response_format(a.json_schema)
     model = load(a.bundle, backend=a.backend)
     _load_cache(model, a.prompt_cache)
-    kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
     if a.json:
         result = model.generate(a.prompt, **kw)
         _save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
@@ -191,6 +195,30 @@ def cmd_generate(a):
     print(_summary(ev), file=sys.stderr)
     _save_cache(model, a.prompt_cache, ev.prompt_tokens, a.system, a.prompt, a.think)
     return 0
+
+
+def _response_format(text: str) -> dict:
+    """--json-schema's value, inline JSON or a file holding it, as OpenAI's response_format."""
+    source = "--json-schema"
+    if not text.lstrip().startswith(("{", "[")):
+        try:
+            text, source = Path(text).read_text(), text
+        except OSError as e:
+            raise ValueError(f"--json-schema {text}: cannot read ({e.strerror or e})") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
+    fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    fmt = fmt if schema else {"type": "json_object"}
+    try:
+        response_grammar(fmt)  # a schema the grammar engine refuses is refused here, before loading anything
+    except GrammarError as e:
+        problem = str(e).removeprefix(f"{e.param}: ") if e.param else str(e)
+        raise ValueError(f"{source}: {problem}") from None
+    return fmt
 
 
 def _load_cache(model, path) -> None:
@@ -410,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-p", "--prompt", required=True)
     s.add_argument("--raw", action="store_true", help="no chat template: <bos> + the text")
     s.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
+    s.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="constrain the answer to JSON following SCHEMA (a JSON schema, inline or a file; '{}': any object)",
+    )
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 

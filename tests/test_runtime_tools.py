@@ -92,3 +92,43 @@ def test_a_bad_tool_choice_is_named(model, kwargs, problem):
 def test_a_raw_prompt_takes_no_tools(model):
     with pytest.raises(ValueError, match="raw prompt"):
         model.generate("hi", raw=True, tools=[WEATHER], max_tokens=1)
+
+
+# -- the command line: generate --json-schema ---------------------------------------------------------------
+
+
+def test_generate_json_schema_constrains_the_answer(tiny_bundle16, tmp_path, capsys):
+    from gemma_ane.cli import main
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    argv = ["generate", str(tiny_bundle16), "-p", "Hi", "--temperature", "0", "--max-tokens", "40", "--json"]
+    assert main(argv) == 0
+    with pytest.raises(ValueError):
+        json.loads(json.loads(capsys.readouterr().out)["text"])  # the random model writes no JSON of its own
+    for given in (str(tmp_path / "schema.json"), json.dumps(schema)):
+        assert main([*argv[:-1], "--max-tokens", "100", "--json", "--json-schema", given]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert 0 <= json.loads(result["text"])["n"] <= 99 and result["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [
+        ("[1]", "--json-schema: a JSON schema is an object, not list"),
+        ("{bad", "--json-schema: not JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+        ('{"type": 7}', "--json-schema: failed to compile JSON schema"),
+        ("missing.json", "--json-schema missing.json: cannot read (No such file or directory)"),
+    ],
+)
+def test_a_bad_json_schema_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch, given, problem):
+    from gemma_ane.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", str(tmp_path / "no-bundle"), "-p", "Hi", "--json-schema", given]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gemma-ane generate: error: {problem}") and err.count("\n") == 1, err
