@@ -127,6 +127,14 @@ def response_grammar(response_format, *, thinking: bool = False) -> str | None:
     return _checked(_start("answer", thinking) + f"answer: %json {body}\n", param)
 
 
+def request_grammar(tools, choice: str, parallel: bool, response_format, *, thinking: bool = False) -> str | None:
+    """The grammar one generation must follow: forced calls when `choice` (tools.check_tool_choice's) is
+    "required" or a function's name, else the response format's; None for free text."""
+    if choice in ("auto", "none"):
+        return response_grammar(response_format, thinking=thinking)
+    return tool_call_grammar(tools, choice, parallel, thinking=thinking)
+
+
 # -- forced tool calls ------------------------------------------------------------------------------
 
 

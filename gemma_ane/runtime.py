@@ -278,10 +278,7 @@ class Model:
 
     def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool):
         """The grammar this generation must follow, if any: forced calls, or the response format."""
-        if choice in ("auto", "none"):
-            text = grammar.response_grammar(response_format, thinking=thinking)
-        else:
-            text = grammar.tool_call_grammar(tools, choice, parallel, thinking=thinking)
+        text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
         if text is None:
             return None
         if self.head != "logits":

@@ -421,10 +421,7 @@ def _tooling(body: dict, model, thinking: bool) -> dict:
         tools = None if tools is None else check_tools(tools)
         choice = check_tool_choice("auto" if choice is None else choice, tools)
         field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asks for a grammar
-        if field == "response_format":
-            constrained = grammar.response_grammar(response_format, thinking=thinking)
-        else:
-            constrained = grammar.tool_call_grammar(tools, choice, parallel, thinking=thinking)
+        constrained = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
     except grammar.GrammarError as e:  # without a param: llguidance is missing
