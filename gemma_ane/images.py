@@ -1,0 +1,154 @@
+"""Image input on the host: decoding (Pillow) and Gemma 4's preprocessing (numpy), equal to transformers'
+`Gemma4ImageProcessorPil` bit for bit; every bad input is a one-line ImageError.
+
+Runtime side: numpy and Pillow only, Pillow imported on first use (the `vision` extra). A second modality
+(audio) gets a module of the same shape beside this one: `load_*` turns a source into a decoded signal or a
+one-line error, `preprocess` into the encoder's fixed-shape inputs and the number of soft tokens its
+placeholder expands to in the prompt.
+
+What `load_image` does with awkward input (as transformers, unless said otherwise):
+- alpha (RGBA, LA, PA, or a transparent colour in the file): composited onto white, as the processor's
+  `convert_to_rgb`. (transformers' `load_image`, which chat templates use for paths, drops alpha instead.)
+- CMYK, palette, 1-bit, grayscale, YCbCr: Pillow's `convert("RGB")`, without ICC colour management.
+- 16-bit grayscale (Pillow's I;16 modes): the high byte of each sample, the picture it shows. transformers
+  hands it to `convert("RGB")`, which clips every sample above 255 to white. 16-bit RGB(A) files Pillow
+  itself reads as their high bytes, so there both agree.
+- 32-bit integer or float pixels (modes I, F): refused, their range is unknown.
+- EXIF orientation: applied, so a phone photo comes out upright (as transformers' `load_image`).
+- several frames: an animation (GIF, PNG, WebP) or a multi-page TIFF is refused, the caller picks a frame;
+  an MPO (the JPEG of many phones and cameras, with depth or stereo frames) gives its primary picture.
+- extreme aspect ratios: no limit. As in transformers, a short side that would round to nothing becomes
+  one pooling cell (48 px) and the long side at most `max_soft_tokens` cells: a 1x20000 strip is resized to
+  48x13440 at 280 (squeezed, never refused).
+- size: files over Pillow's decompression-bomb limit (2 x `PIL.Image.MAX_IMAGE_PIXELS`, ~179 MP) are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_TOKENS; E2B's default is 280
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names the image and the problem, on one line."""
+
+
+def _pil():
+    try:
+        from PIL import Image, ImageOps
+    except ImportError:
+        raise ImageError("image input needs Pillow: pip install 'gemma-ane[vision]'") from None
+    return Image, ImageOps
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def load_image(src, what: str = "image"):
+    """`src` (a path, a file's bytes, or a PIL image) as an upright RGB PIL image; the module doc says how.
+    Errors name `what`, and the path when there is one."""
+    Image, ImageOps = _pil()
+    is_path = isinstance(src, (str, os.PathLike))
+    name = f"{what} {os.fspath(src)}" if is_path else what
+    if not (is_path or isinstance(src, (bytes, bytearray, memoryview, Image.Image))):
+        raise ImageError(f"{name}: expected a path, bytes or a PIL image, not {type(src).__name__}")
+    try:
+        img = src if isinstance(src, Image.Image) else Image.open(src if is_path else io.BytesIO(src))
+        frames = getattr(img, "n_frames", 1)
+        if frames > 1 and img.format != "MPO":
+            raise ImageError(f"{name}: {frames} frames (an animation or a multi-page file); pass a single frame")
+        img.load()  # Pillow decodes lazily: a truncated or corrupt file fails here, inside this try
+        img = ImageOps.exif_transpose(img)
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{name}: {_one_line(e)}") from None
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{name}: not an image (or in a format Pillow cannot read)") from None
+    except OSError as e:
+        if e.strerror:  # the file system's answer: no such file, a directory, no permission
+            raise ImageError(f"{name}: {e.strerror}") from None
+        raise ImageError(f"{name}: truncated or corrupt ({_one_line(e)})") from None
+    except Exception as e:  # corrupt data also surfaces as SyntaxError, ValueError, EOFError, struct.error
+        raise ImageError(f"{name}: corrupt ({type(e).__name__}: {_one_line(e)})") from None
+    if 0 in img.size:
+        raise ImageError(f"{name}: empty ({img.width}x{img.height} pixels)")
+    return _to_rgb(img, name, Image)
+
+
+def _to_rgb(img, name: str, Image):
+    if img.mode.startswith("I;16"):
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))  # convert() would clip to 255
+    elif img.mode in ("I", "F"):
+        raise ImageError(f"{name}: mode {img.mode} (32-bit pixels) has no known range; save it as 8 or 16 bits")
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        # transformers' convert_to_rgb: composite onto white, not drop the alpha (transparent black shows black)
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
+    return img.convert("RGB")
+
+
+@dataclass(frozen=True)
+class Patches:
+    """One image as the vision encoder takes it, padded to a fixed patch count so that one compiled model
+    serves every aspect ratio (max_patches = max_soft_tokens * pooling_kernel_size**2).
+
+    pixel_values: float32 (max_patches, 3 * patch_size**2): a patch per row, its pixels in (row, column,
+        channel) order, in [0, 1] (the encoder maps them to [-1, 1] itself); padding rows are 0.
+    positions: int32 (max_patches, 2): a patch's (x, y) = (column, row) in the patch grid; padding rows are
+        (-1, -1), which is how the encoder tells padding apart. Real patches come first, row by row.
+    grid: (rows, columns) of real patches, each a multiple of pooling_kernel_size.
+    soft_tokens: rows * columns / pooling_kernel_size**2, the encoder's output count for this image: the
+        prompt holds that many image placeholders, between begin- and end-of-image tokens.
+    """
+
+    pixel_values: np.ndarray
+    positions: np.ndarray
+    grid: tuple[int, int]
+    soft_tokens: int
+
+
+def target_size(height: int, width: int, max_soft_tokens: int, patch_size: int = 16, pooling_kernel_size: int = 3):
+    """The (height, width) transformers resizes an image to: the largest multiples of a pooling cell
+    (pooling_kernel_size * patch_size pixels) that keep the aspect ratio within the budget's patches. A side
+    that would round to 0 becomes one cell, the other floor(ratio) cells, at most max_soft_tokens.
+    Same float arithmetic as transformers' get_aspect_ratio_preserving_size, so the same rounding."""
+    cell = pooling_kernel_size * patch_size
+    factor = math.sqrt(max_soft_tokens * pooling_kernel_size**2 * patch_size**2 / (height * width))
+    h = int(math.floor(factor * height / cell)) * cell
+    w = int(math.floor(factor * width / cell)) * cell
+    if h == 0:  # both cannot be 0: the budget is far more than one cell's area
+        return cell, min(int(math.floor(width / height)), max_soft_tokens) * cell
+    if w == 0:
+        return min(int(math.floor(height / width)), max_soft_tokens) * cell, cell
+    return h, w
+
+
+def preprocess(image, max_soft_tokens: int = 280, patch_size: int = 16, pooling_kernel_size: int = 3, what="image"):
+    """`image` (anything load_image takes) resized, scaled and cut into patches as transformers' Gemma 4
+    image processor does it: Pillow's bicubic resize of the 8-bit RGB image (its PIL backend's filter),
+    then x / 255 in float64 rounded to float32, with no normalisation."""
+    if max_soft_tokens not in SOFT_TOKEN_BUDGETS:
+        raise ValueError(
+            f"max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, not {max_soft_tokens}"
+        )
+    Image, _ = _pil()
+    img = load_image(image, what)
+    h, w = target_size(img.height, img.width, max_soft_tokens, patch_size, pooling_kernel_size)
+    pixels = np.asarray(img.resize((w, h), Image.Resampling.BICUBIC))  # Pillow returns a copy when sizes match
+    pixels = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)
+    rows, cols, p = h // patch_size, w // patch_size, patch_size
+    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, p * p * 3)
+    y, x = np.divmod(np.arange(rows * cols, dtype=np.int32), cols)
+    max_patches = max_soft_tokens * pooling_kernel_size**2
+    pixel_values = np.zeros((max_patches, p * p * 3), np.float32)
+    positions = np.full((max_patches, 2), -1, np.int32)
+    pixel_values[: rows * cols], positions[: rows * cols] = patches, np.stack([x, y], axis=1)
+    return Patches(pixel_values, positions, (rows, cols), rows * cols // pooling_kernel_size**2)
