@@ -70,12 +70,17 @@ class Snapshot:
 
     position: int
     rings: list[dict]
+    top: int  # the newest position written into these rings (rows past `position`: rejected drafts)
 
 
-def batch_is_exact(p0: int, T: int, window: int, context: int) -> bool:
+def batch_is_exact(p0: int, T: int, window: int, context: int, ring: int | None = None) -> bool:
     """A write-then-attend batch is exactly causal only if no row's write evicts a slot that an
-    earlier row of the same batch still needs: true for T == 1 or a batch inside the first ring pass."""
-    return p0 + T <= context and (T == 1 or p0 + T <= window)
+    earlier row of the same batch still needs: true for T == 1, a batch inside the first ring pass,
+    or a ring with T - 1 slots beyond the window (then it must also not wrap: one contiguous write)."""
+    ring = ring or window
+    if p0 + T > context:
+        return False
+    return T == 1 or p0 + T <= ring or (ring - window >= T - 1 and p0 % ring + T <= ring)
 
 
 class Engine:
@@ -92,9 +97,14 @@ class Engine:
         kv_batches: tuple[int, ...] = (),
         kv_ple_width: int | None = None,
         logits_dtype=np.float32,
+        ring: int | None = None,
     ):
         self.chunks, self.host = chunks, host
         self.context, self.window, self.prefill_batch = context, window, prefill_batch
+        # slots of the sliding caches: the window, or more in bundles that verify drafts (spec.ring_slots)
+        self.ring = ring or window
+        verify = [f for f in chunks[0].interfaces if f.startswith("verify_b")]
+        self.verify_batch = int(verify[0][len("verify_b") :]) if verify else None  # 1 + the drafts a call checks
         # KV-only prefill functions (prefill_kv_b{T}), largest first, and their PLE width
         self.kv_batches, self.kv_ple_width = tuple(sorted(kv_batches, reverse=True)), kv_ple_width
         # None: logits come back as chunk_3 gives them (fp16). The sampler reads fp16 without
@@ -106,17 +116,20 @@ class Engine:
         self.reset()
 
     @classmethod
-    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32) -> Engine:
-        """An engine whose geometry (context, window, prompt paths) is read off chunk_1's functions."""
+    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32, window: int | None = None) -> Engine:
+        """An engine whose geometry (context, ring, prompt paths) is read off chunk_1's functions; the
+        window is the ring unless given (model_config.json's sliding_window: a padded ring is wider)."""
         functions = chunks[0].interfaces
         first = functions["infer"]["inputs"]
+        ring = first["causal_mask_sliding"]["shape"][-1]
         batches = sorted(int(f[len("prefill_b") :]) for f in functions if f.startswith("prefill_b") and f[9:].isdigit())
         kv = sorted(int(f[len("prefill_kv_b") :]) for f in functions if f.startswith("prefill_kv_b"))
         return cls(
             chunks,
             host,
             context=first["causal_mask_full"]["shape"][-1],
-            window=first["causal_mask_sliding"]["shape"][-1],
+            window=min(window or ring, ring),
+            ring=ring,
             prefill_batch=batches[-1] if batches else None,
             kv_batches=tuple(kv),
             kv_ple_width=functions[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None,
@@ -130,6 +143,9 @@ class Engine:
         self.tokens: list[int] = []  # the ids whose K/V the caches hold, in position order
         self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
         self.snapshots: list[Snapshot] = []  # the rings at earlier prompt ends, oldest first
+        self.ring_top = -1  # the newest position written into the rings (past the position: rejected drafts)
+        self.shared_kv: dict[str, np.ndarray] = {}  # chunk_2's producer caches after the last call (the drafter's)
+        self.final_hidden = None  # chunk_3's final-norm hidden state of the last token it ran (the drafter's)
 
     def _predict(self, i: int, function: str, inputs: dict) -> dict:
         return self.chunks[i].predict(function, inputs, self.states[i])
@@ -141,9 +157,9 @@ class Engine:
             "hidden_states": h,
             "per_layer_raw": ple,
             "causal_mask_full": full_mask(p0, T, self.context, np.float32),
-            "causal_mask_sliding": sliding_mask(p0, T, self.window, np.float32),
+            "causal_mask_sliding": sliding_mask(p0, T, self.window, np.float32, ring=self.ring),
             "current_pos": np.array([p0], np.int32),
-            "ring_pos": np.array([p0 % self.window], np.int32),
+            "ring_pos": np.array([p0 % self.ring], np.int32),
         }
         for t, (c, s) in ((SLIDING, ("cos_s", "sin_s")), (FULL, ("cos_f", "sin_f"))):
             if t in self.host.rope:
@@ -166,7 +182,15 @@ class Engine:
                 )
                 for k, v in {**x, **kv}.items()
             }
-        out = self._predict(2, "infer", feed)
+        out = self._chunk3("infer", feed, kv)
+        if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
+            return np.asarray(out["token_id"]).reshape(-1)
+        if "final_hidden" in out:
+            self.final_hidden = np.asarray(out["final_hidden"]).reshape(-1)
+        return np.asarray(out["logits"], self.logits_dtype).reshape(-1)
+
+    def _chunk3(self, function: str, feed: dict, kv: dict) -> dict:
+        out = self._predict(2, function, feed)
         # Damaged weights give NaN logits, whose argmax is silently token 0. The published head
         # returns only the chosen id: its logit (token_logit) is all there is to check there.
         a = np.asarray(out.get("token_logit", []) if self.head == "token_id" else out["logits"]).reshape(-1)
@@ -181,9 +205,7 @@ class Engine:
                 f"{self.chunks[2].name}: logits hold NaN or inf (damaged weights in {where}); "
                 "run gemma-ane check, or re-convert"
             )
-        if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
-            return np.asarray(out["token_id"]).reshape(-1)
-        return np.asarray(out["logits"], self.logits_dtype).reshape(-1)
+        return out
 
     def _run(self, ids: np.ndarray, function: str, want: str) -> list[np.ndarray]:
         """One call of chunk_1, chunk_2 and (if logits are wanted) chunk_3 on ids at self.position."""
@@ -194,8 +216,9 @@ class Engine:
         x["per_layer_combined"] = out1["per_layer_combined_out"]
         out2 = self._predict(1, function, x)
         x["hidden_states"] = out2["hidden_states_out"]
-        kv = {k: v for k, v in out2.items() if k.startswith("kv")}
+        kv = self.shared_kv = {k: v for k, v in out2.items() if k.startswith("kv")}
         self.position += T
+        self.ring_top = max(self.ring_top, self.position - 1)
         if want == "none":
             return []
         if T == 1:
@@ -207,7 +230,7 @@ class Engine:
         """A KV-only prefill batch: chunk_1 and chunk_2 up to the last cache-owning layer, no head."""
         p0, T = self.position, len(ids)
         x = self._inputs(ids, p0)
-        x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32)
+        x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32, ring=self.ring)
         x["per_layer_raw"] = x["per_layer_raw"][..., : self.kv_ple_width]
         function = f"prefill_kv_b{T}"
         out1 = self._predict(0, function, x)
@@ -215,6 +238,54 @@ class Engine:
         x["per_layer_combined"] = out1["per_layer_combined_out"]
         self._predict(1, function, x)
         self.position += T
+        self.ring_top = max(self.ring_top, self.position - 1)
+        self.shared_kv = {}  # chunk_2 returned no caches: the next infer step gives them again
+
+    def verify(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """Run the last token and its drafts (`verify_batch` ids) in one call at the position: every
+        row's logits (T, vocab) and final-norm hidden states (T, hidden). The caches then hold all T
+        rows; the caller rewinds to the ones it accepts (`rewind`): the rows of rejected drafts stay
+        in slots the position masks hide until accepted tokens overwrite them (spec.ring_slots)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not self.can_verify():
+            raise ValueError(f"no verify call fits at position {self.position} (see can_verify)")
+        if len(ids) != self.verify_batch:
+            raise ValueError(f"verify_b{self.verify_batch} takes {self.verify_batch} ids, got {len(ids)}")
+        function, p = f"verify_b{self.verify_batch}", self.position
+        try:
+            if function not in self.loaded:
+                for chunk in self.chunks:
+                    chunk.load(function)
+                self.loaded.add(function)
+            x = self._inputs(ids, p)
+            out1 = self._predict(0, function, x)
+            x["hidden_states"], x["per_layer_combined"] = out1["hidden_states_out"], out1["per_layer_combined_out"]
+            out2 = self._predict(1, function, x)
+            x["hidden_states"] = out2["hidden_states_out"]
+            kv = self.shared_kv = {k: v for k, v in out2.items() if k.startswith("kv")}
+            out = self._chunk3(function, {**x, **kv}, kv)
+        except FunctionUnavailable:
+            raise  # nothing was written: the caller decodes without drafts
+        except BaseException:
+            self.reset()
+            raise
+        self.position += len(ids)
+        self.ring_top = max(self.ring_top, self.position - 1)
+        self.history.append((p, function, len(ids)))
+        self.tokens += ids.tolist()
+        logits = np.asarray(out["logits"], self.logits_dtype).reshape(len(ids), -1)
+        return logits, np.asarray(out["final_hidden"], np.float32).reshape(len(ids), -1)
+
+    def accept(self, position: int, hidden: np.ndarray) -> None:
+        """Keep the rows of the last verify call up to `position`; `hidden` is the final-norm state of the
+        last one kept (the drafter's next carry)."""
+        self.rewind(position)
+        self.final_hidden = hidden
+
+    def can_verify(self) -> bool:
+        """Whether a verify call fits here: inside the context, and one contiguous write into the rings."""
+        T, p = self.verify_batch, self.position
+        return bool(T) and p + T <= self.context and p % self.ring + T <= self.ring
 
     def plan(self, p0: int, n: int, logits: str = "last") -> list[tuple[str, int]]:
         """The steps (function, tokens) that feed() runs for n tokens starting at position p0.
@@ -232,7 +303,14 @@ class Engine:
         small = min(self.kv_batches, default=0)
         while i < n:
             kv = (
-                next((T for T in self.kv_batches if p % T == 0 and T <= n - i - 1 and p + T <= self.context), None)
+                next(
+                    (
+                        T
+                        for T in self.kv_batches
+                        if p % T == 0 and T <= n - i - 1 and p + T <= self.context and p % self.ring + T <= self.ring
+                    ),
+                    None,
+                )
                 if logits != "all"
                 else None
             )
@@ -243,7 +321,7 @@ class Engine:
             elif (
                 B
                 and B > 1
-                and batch_is_exact(p, B, self.window, self.context)
+                and batch_is_exact(p, B, self.window, self.context, self.ring)
                 and (n - i - 1 >= B or logits == "all" and n - i >= B)
             ):
                 steps.append((f"prefill_b{B}", B))
@@ -294,9 +372,11 @@ class Engine:
         The full caches are indexed by position: any cached prefix of `ids` is exact there, whatever
         batches computed it (fp16 batched and single-step results differ within the verified
         bounds; the same calls always give the same results). The last token always runs again (it
-        must give logits). The rings are the limit: a discarded position q >= window overwrote the
-        slot of q - window, which the kept prefix still needs when q > kept. Then a snapshot of the
-        rings taken at a prompt end inside the common prefix takes their place (see `prompt`).
+        must give logits). The rings are the limit: every position q written into them (discarded, or
+        a rejected draft) overwrote the slot of q - ring; the kept prefix still needs those above
+        kept - window (kept - window - 1 with a drafter, which reads one row more), so the rings
+        survive only while q < ring + kept - window (- 1). Otherwise a snapshot of the rings taken at a
+        prompt end inside the common prefix takes their place (see `prompt`).
         """
         ids = [int(t) for t in ids]
         common = 0
@@ -305,19 +385,25 @@ class Engine:
                 break
             common += 1
         common = min(common, len(ids) - 1)
-        last = len(self.tokens) - 1
-        if last <= common or last < self.window:
+        if self._rings_hold(common, self.ring_top):
             kept = common
         else:
-            snap = max((s for s in self.snapshots if s.position <= common), key=lambda s: s.position, default=None)
+            snaps = [s for s in self.snapshots if s.position <= common and self._rings_hold(s.position, s.top)]
+            snap = max(snaps, key=lambda s: s.position, default=None)
             kept = snap.position if snap else 0
             if snap:
                 self._write_rings(snap.rings)
+                self.ring_top = snap.top
         if kept == 0:
             self.reset()
         else:
             self.rewind(kept)
         return kept
+
+    def _rings_hold(self, kept: int, top: int) -> bool:
+        """Whether rings whose newest write is `top` still hold every row a prefix of `kept` tokens needs."""
+        reach = self.window + (self.verify_batch is not None)  # the drafter reads W + 1 rows
+        return top < self.ring or top < kept + self.ring - reach + 1
 
     def prompt(self, ids, marks=()) -> tuple[int, np.ndarray]:
         """Process a prompt: reuse what the caches hold, feed the rest, and snapshot the rings at
@@ -337,7 +423,8 @@ class Engine:
         position = self.position
         if position == 0 or any(s.position == position for s in self.snapshots):
             return
-        self.snapshots = sorted(self.snapshots + [Snapshot(position, self._read_rings())], key=lambda s: s.position)
+        snapshot = Snapshot(position, self._read_rings(), self.ring_top)
+        self.snapshots = sorted(self.snapshots + [snapshot], key=lambda s: s.position)
         self.snapshots = self.snapshots[-MAX_SNAPSHOTS:]
 
     def caches(self, position: int) -> list[dict[str, np.ndarray]]:
@@ -365,6 +452,8 @@ class Engine:
                     a = np.concatenate([a, chunk.read_state(state, name)[:, :, a.shape[2] :]], axis=2)
                 chunk.write_state(state, name, a)
         self.position, self.tokens = len(tokens), [int(t) for t in tokens]
+        # the rings may hold rows of rejected drafts past the position: at most a verify batch's
+        self.ring_top = self.position - 1 + (self.ring - self.window)
         self._snapshot()
 
     def _read_rings(self) -> list[dict]:

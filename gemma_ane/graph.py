@@ -148,6 +148,7 @@ class ChunkModel(nn.Module):
         """Select which of the chunk's functions forward() computes (and traces as)."""
         fn = self.chunk.functions[function]
         self.kv_only = fn.get("kv_only", False)
+        self.every_row = fn.get("every_row", False)
         self.input_names = list(fn["inputs"])
         self.output_names = list(fn["outputs"])
 
@@ -223,15 +224,17 @@ class ChunkModel(nn.Module):
             h = layer(h, hn, per_layer[:, :, i * P : (i + 1) * P], cos, sin, k, v, mask)
 
         if chunk.has_head:
-            last = self.norm(h[:, -1:, :])
-            logits = self.lm_head(last)
+            # verify_b{T} scores every row (each checks the draft after it); otherwise the last row alone
+            normed = self.norm(h if self.every_row else h[:, -1:, :])
+            logits = self.lm_head(normed)
             if spec.final_logit_softcapping is not None:
                 cap = spec.final_logit_softcapping
                 logits = torch.tanh(logits / cap) * cap
             if self.output_names[0] == "token_id":  # the published head: the argmax chosen in-graph
                 value, index = logits.reshape(-1).max(dim=0, keepdim=True)
                 return index.to(torch.int32), value
-            return (logits,)
+            # final_hidden: what the drafter continues from (bundles with an assistant)
+            return (logits, normed) if "final_hidden" in self.output_names else (logits,)
         outs = [h]
         if chunk.computes_ple:
             outs.append(per_layer)

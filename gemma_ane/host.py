@@ -74,31 +74,35 @@ def full_mask(p0: int, T: int, context: int, dtype=np.float16) -> np.ndarray:
     return np.where(allowed, 0, MASK_BLOCKED).astype(dtype)[None, None]
 
 
-def sliding_mask(p0: int, T: int, window: int, dtype=np.float16) -> np.ndarray:
-    """Ring of `window` slots, written at (p mod window) before attending.
+def sliding_mask(p0: int, T: int, window: int, dtype=np.float16, ring: int | None = None) -> np.ndarray:
+    """Ring of `ring` slots (default: the window), written at (p mod ring) before attending.
 
     Row t (position p = p0+t) may see slot s iff the slot holds a position q with p-window < q <= p.
     After the batch's writes a slot holds the newest position congruent to s that has been written,
     which is exact only when the batch does not overwrite a slot an earlier row still needs: the
-    runner guarantees that (T == 1, or the batch ends inside the first pass of the ring).
+    runner guarantees that (T == 1, the batch ends inside the first pass of the ring, or the ring
+    has T - 1 slots beyond the window). Rows written past p0+T-1 earlier (rejected drafts) sit in
+    slots this formula dates ring positions back: both dates lie outside every row's window.
     """
+    ring = ring or window
     last = p0 + T - 1
-    slots = np.arange(window)
+    slots = np.arange(ring)
     # newest written position in each slot after the batch, or -1 for never written
-    held = last - ((last - slots) % window)
+    held = last - ((last - slots) % ring)
     held = np.where(held >= 0, held, -1)
     p = p0 + np.arange(T)[:, None]
     allowed = (held[None, :] >= 0) & (held[None, :] <= p) & (held[None, :] > p - window)
     return np.where(allowed, 0, MASK_BLOCKED).astype(dtype)[None, None]
 
 
-def kv_sliding_mask(p0: int, T: int, window: int, dtype=np.float16) -> np.ndarray:
+def kv_sliding_mask(p0: int, T: int, window: int, dtype=np.float16, ring: int | None = None) -> np.ndarray:
     """KV-only prefill: row t (position p0+t) attends over [ring as it was before the batch | the
     batch]. A ring column is valid iff its slot holds a position in (p0+t-window, p0-1]; a batch
-    column j iff j <= t. Shape (1, 1, T, window + T)."""
+    column j iff j <= t. Shape (1, 1, T, ring + T)."""
+    ring = ring or window
     last = p0 - 1
-    slots = np.arange(window)
-    held = last - ((last - slots) % window) if last >= 0 else np.full(window, -1)
+    slots = np.arange(ring)
+    held = last - ((last - slots) % ring) if last >= 0 else np.full(ring, -1)
     t = np.arange(T)[:, None]
     ring = (held[None, :] >= 0) & (held[None, :] > p0 + t - window)
     batch = np.arange(T)[None, :] <= t

@@ -577,16 +577,27 @@ class ChunkPlan:
     prefill_batch: int
     split: tuple[int, int]
     chunks: tuple[Chunk, ...]
+    draft_tokens: int = 0  # K: verify_b{K+1} checks K drafts (speculative decoding); 0 = no drafter
 
     @property
     def window(self) -> int:
         return min(self.spec.sliding_window, self.context)
+
+    @property
+    def ring(self) -> int:
+        """Slots of the sliding caches (CONTRACT §3): the window, plus room for a verify batch's rows."""
+        return ring_slots(self.spec.sliding_window, self.draft_tokens, self.kv_batches)
+
+    @property
+    def kv_batches(self) -> tuple[int, ...]:
+        return tuple(int(f[len("prefill_kv_b") :]) for f in self.chunks[0].functions if f.startswith("prefill_kv_b"))
 
     def to_json(self):
         return {
             "context": self.context,
             "prefill_batch": self.prefill_batch,
             "split": list(self.split),
+            "draft_tokens": self.draft_tokens,
             "chunks": [c.to_json() for c in self.chunks],
         }
 
@@ -605,12 +616,17 @@ class ChunkPlan:
         split: tuple[int, int] | None = None,
         head: str = "logits",
         kv_batches: tuple[int, ...] = (),
+        draft_tokens: int = 0,
     ) -> ChunkPlan:
         """head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
-        kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`."""
-        _check_options(spec, context, prefill_batch, head, kv_batches)
+        kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`.
+        draft_tokens: K > 0 adds `verify_b{K+1}` to every chunk (the last token and K drafts in one call, logits for
+        every row) and chunk_3's `final_hidden` output (what the drafter reads), and pads the rings (`ring_slots`)."""
+        _check_options(spec, context, prefill_batch, head, kv_batches, draft_tokens)
         a, b = split if split is not None else cls.default_split(spec)
         _check_split(spec, a, b)
+        R = ring_slots(spec.sliding_window, draft_tokens, kv_batches)
+        io = _PlanIO(spec, context, R, head, draft_tokens > 0)
         chunks = []
         for ci, (lo, hi) in enumerate([(0, a), (a, b), (b, spec.num_layers)]):
             layers = tuple(range(lo, hi))
@@ -618,11 +634,13 @@ class ChunkPlan:
             sliding = tuple(i for i in owners if spec.is_sliding(i))
             full = tuple(i for i in owners if not spec.is_sliding(i))
             stateful = ci < 2  # chunk_3's layers are all KV-shared: it keeps nothing, so it never prefills
-            functions = {"infer": _step_io(spec, context, ci, 1, head)}
+            functions = {"infer": io.step(ci, 1)}
             if stateful:
-                functions[f"prefill_b{prefill_batch}"] = _step_io(spec, context, ci, prefill_batch, head)
+                functions[f"prefill_b{prefill_batch}"] = io.step(ci, prefill_batch)
                 for T in sorted(set(kv_batches), reverse=True):
-                    functions[f"prefill_kv_b{T}"] = _kv_only_io(spec, context, ci, T)
+                    functions[f"prefill_kv_b{T}"] = io.kv_only(ci, T)
+            if draft_tokens:
+                functions[f"verify_b{draft_tokens + 1}"] = io.step(ci, draft_tokens + 1, every_row=True)
             chunks.append(
                 Chunk(
                     name=f"chunk_{ci + 1}",
@@ -630,19 +648,45 @@ class ChunkPlan:
                     stateful=stateful,
                     sliding_layers=sliding,
                     full_layers=full,
-                    states=_states(spec, context, sliding, full),
+                    states=_states(spec, context, R, sliding, full),
                     functions=functions,
                     has_head=ci == 2,
                     computes_ple=ci == 0,
                 )
             )
-        return cls(spec=spec, context=context, prefill_batch=prefill_batch, split=(a, b), chunks=tuple(chunks))
+        return cls(
+            spec=spec,
+            context=context,
+            prefill_batch=prefill_batch,
+            split=(a, b),
+            chunks=tuple(chunks),
+            draft_tokens=draft_tokens,
+        )
+
+
+MAX_DRAFT_TOKENS = 31  # verify_b32: the rings' 32 extra slots hold one verify batch's rows (ring_slots)
+
+
+def ring_slots(window: int, draft_tokens: int = 0, kv_batches: tuple[int, ...] = ()) -> int:
+    """Slots of a sliding cache. Without drafts: the window, as the published layout.
+
+    A verify call writes its K+1 rows before knowing which drafts survive. In a ring of exactly W slots the rows of
+    rejected drafts overwrite the oldest positions, which the next accepted position still attends to; with R >= W
+    + K + 1 slots, a write at position q evicts q - R, older than anything a later query (or the drafter's W+1 rows)
+    reads, so rejected rows only ever sit in slots the position masks hide until the accepted token overwrites
+    them. The pad is a multiple of 32 (Core ML state dimensions, coremltools #2631) and of every KV-only prefill
+    batch (an aligned batch must not wrap the ring); it also makes every `prefill_b{T}` with T <= pad + 1 exact
+    past the first pass of the ring."""
+    if not draft_tokens:
+        return window
+    step = math.lcm(32, *kv_batches)
+    return window + step * math.ceil((draft_tokens + 1) / step)
 
 
 # -- building a plan: one step of ChunkPlan.build each; ci is the chunk's index (0, 1, 2) ----------
 
 
-def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) -> None:
+def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches, draft_tokens) -> None:
     W = spec.sliding_window
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
         raise ConfigError(f"context={context!r}: must be a positive integer")
@@ -664,6 +708,12 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches) ->
         raise ConfigError(f"head={head!r}: choose logits or token_id")
     if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
         raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={W}]")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ConfigError(f"draft_tokens={draft_tokens!r}: must be an integer in [0, {MAX_DRAFT_TOKENS}]")
+    if draft_tokens and head != "logits":
+        raise ConfigError("draft_tokens: speculative decoding needs logits (head=logits)")
+    if draft_tokens and draft_tokens + 1 >= context:
+        raise ConfigError(f"draft_tokens={draft_tokens}: a verify batch must fit in the context ({context})")
 
 
 def _check_split(spec: ModelSpec, a: int, b: int) -> None:
@@ -688,56 +738,75 @@ def _check_split(spec: ModelSpec, a: int, b: int) -> None:
             )
 
 
-def _states(spec: ModelSpec, context: int, sliding: tuple[int, ...], full: tuple[int, ...]) -> dict:
+def _states(spec: ModelSpec, context: int, ring: int, sliding: tuple[int, ...], full: tuple[int, ...]) -> dict:
     """One state per attention type, K and V rows of each of the chunk's cache owners of that type."""
     D, states = spec.cache_width, {}
     if sliding:
-        states["kv_cache_sliding"] = Tensor((2 * len(sliding), spec.kv_heads_of(SLIDING), spec.sliding_window, D))
+        states["kv_cache_sliding"] = Tensor((2 * len(sliding), spec.kv_heads_of(SLIDING), ring, D))
     if full:
         states["kv_cache_full"] = Tensor((2 * len(full), spec.kv_heads_of(FULL), context, D))
     return states
 
 
-def _step_io(spec: ModelSpec, context: int, ci: int, T: int, head: str) -> dict:
-    """`infer` (T=1) and `prefill_b{T}`: every layer of the chunk runs."""
-    ins = _host_inputs(spec, context, ci, T, spec.per_layer_total, spec.sliding_window)
-    outs = _hidden_outputs(spec, ci, T, spec.per_layer_total)
-    caches = {kv_name(p, which): _cache_tensor(spec, context, p) for p in spec.producers for which in ("k", "v")}
-    if ci == 1:  # the producers' whole caches go on to the stateless chunk
-        outs.update(caches)
-    if ci == 2:
-        ins.update(caches)
-        outs = (
-            {"logits": Tensor((1, 1, spec.vocab_size))}
-            if head == "logits"
-            else {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))}
-        )
-    return {"T": T, "inputs": ins, "outputs": outs}
+@dataclass(frozen=True)
+class _PlanIO:
+    """The inputs and outputs of every function of a plan; ci is the chunk's index (0, 1, 2)."""
 
+    spec: ModelSpec
+    context: int
+    ring: int
+    head: str
+    drafter: bool  # chunk_3 also returns the final-norm hidden states the drafter reads
 
-def _kv_only_io(spec: ModelSpec, context: int, ci: int, T: int) -> dict:
-    """`prefill_kv_b{T}`: only the cache-owning layers run, so PLE covers only them; sliding layers
-    attend over [ring as it was | the batch] before writing (CONTRACT §4 fixed)."""
-    own = spec.first_shared_layer * spec.per_layer_dim
-    ins = _host_inputs(spec, context, ci, T, own, spec.sliding_window + T)
-    return {"T": T, "inputs": ins, "outputs": _hidden_outputs(spec, ci, T, own), "kv_only": True}
+    def step(self, ci: int, T: int, every_row: bool = False) -> dict:
+        """`infer` (T=1), `prefill_b{T}` and `verify_b{T}` (every_row: chunk_3 returns each row's logits)."""
+        spec = self.spec
+        ins = self.host_inputs(ci, T, spec.per_layer_total, self.ring)
+        outs = _hidden_outputs(spec, ci, T, spec.per_layer_total)
+        caches = {kv_name(p, which): self.cache_tensor(p) for p in spec.producers for which in ("k", "v")}
+        if ci == 1:  # the producers' whole caches go on to the stateless chunk
+            outs.update(caches)
+        if ci == 2:
+            ins.update(caches)
+            rows = T if every_row else 1
+            if self.head == "logits":
+                outs = {"logits": Tensor((1, rows, spec.vocab_size))}
+                if self.drafter:
+                    outs["final_hidden"] = Tensor((1, rows, spec.hidden_size))
+            else:
+                outs = {"token_id": Tensor((1,), I32), "token_logit": Tensor((1,))}
+        return {"T": T, "inputs": ins, "outputs": outs, "every_row": every_row}
 
+    def kv_only(self, ci: int, T: int) -> dict:
+        """`prefill_kv_b{T}`: only the cache-owning layers run, so PLE covers only them; sliding layers
+        attend over [ring as it was | the batch] before writing (CONTRACT §4 fixed)."""
+        own = self.spec.first_shared_layer * self.spec.per_layer_dim
+        ins = self.host_inputs(ci, T, own, self.ring + T)
+        return {"T": T, "inputs": ins, "outputs": _hidden_outputs(self.spec, ci, T, own), "kv_only": True}
 
-def _host_inputs(spec: ModelSpec, context: int, ci: int, T: int, ple_width: int, sliding_keys: int) -> dict:
-    """What the host computes for T tokens: embeddings, masks, the PLE (raw into chunk_1, combined after),
-    RoPE tables per attention type, and for the stateful chunks the positions."""
-    ins = {
-        "hidden_states": Tensor((1, T, spec.hidden_size)),
-        "causal_mask_full": Tensor((1, 1, T, context)),
-        "causal_mask_sliding": Tensor((1, 1, T, sliding_keys)),
-        "per_layer_raw" if ci == 0 else "per_layer_combined": Tensor((1, T, ple_width)),
-    }
-    if SLIDING in spec.layer_types:
-        ins["cos_s"] = ins["sin_s"] = Tensor((1, 1, T, spec.head_dim_of(SLIDING)))
-    ins["cos_f"] = ins["sin_f"] = Tensor((1, 1, T, spec.head_dim_of(FULL)))
-    if ci < 2:
-        ins["current_pos"] = ins["ring_pos"] = Tensor((1,), I32)
-    return ins
+    def host_inputs(self, ci: int, T: int, ple_width: int, sliding_keys: int) -> dict:
+        """What the host computes for T tokens: embeddings, masks, the PLE (raw into chunk_1, combined after),
+        RoPE tables per attention type, and for the stateful chunks the positions."""
+        spec = self.spec
+        ins = {
+            "hidden_states": Tensor((1, T, spec.hidden_size)),
+            "causal_mask_full": Tensor((1, 1, T, self.context)),
+            "causal_mask_sliding": Tensor((1, 1, T, sliding_keys)),
+            "per_layer_raw" if ci == 0 else "per_layer_combined": Tensor((1, T, ple_width)),
+        }
+        if SLIDING in spec.layer_types:
+            ins["cos_s"] = ins["sin_s"] = Tensor((1, 1, T, spec.head_dim_of(SLIDING)))
+        ins["cos_f"] = ins["sin_f"] = Tensor((1, 1, T, spec.head_dim_of(FULL)))
+        if ci < 2:
+            ins["current_pos"] = ins["ring_pos"] = Tensor((1,), I32)
+        return ins
+
+    def cache_tensor(self, layer: int) -> Tensor:
+        """A producer's whole K (or V) cache as it passes from chunk_2 to chunk_3: the ring, or the full context."""
+        spec = self.spec
+        if spec.is_sliding(layer):
+            return Tensor((1, spec.kv_heads_of(SLIDING), self.ring, spec.head_dim_of(SLIDING)))
+        return Tensor((1, spec.kv_heads_of(FULL), self.context, spec.head_dim_of(FULL)))
 
 
 def _hidden_outputs(spec: ModelSpec, ci: int, T: int, ple_width: int) -> dict:
@@ -745,13 +814,6 @@ def _hidden_outputs(spec: ModelSpec, ci: int, T: int, ple_width: int) -> dict:
     if ci == 0:  # chunk_1 combines the PLE once for all chunks
         outs["per_layer_combined_out"] = Tensor((1, T, ple_width))
     return outs
-
-
-def _cache_tensor(spec: ModelSpec, context: int, layer: int) -> Tensor:
-    """A producer's whole K (or V) cache as it passes from chunk_2 to chunk_3: the ring, or the full context."""
-    if spec.is_sliding(layer):
-        return Tensor((1, spec.kv_heads_of(SLIDING), spec.sliding_window, spec.head_dim_of(SLIDING)))
-    return Tensor((1, spec.kv_heads_of(FULL), context, spec.head_dim_of(FULL)))
 
 
 def parse_split(text: str | None) -> tuple[int, int] | None:

@@ -143,7 +143,7 @@ def verify_graph(
     ids = random_ids(spec, tokens, seed)
     host = host_from_checkpoint(ckpt, plan.context)
     dtype = torch.float32 if precision == "fp32" else torch.float16
-    engine = Engine.from_chunks([TorchChunk(m) for m in build_chunks(plan, ckpt, dtype)], host)
+    engine = Engine.from_chunks([TorchChunk(m) for m in build_chunks(plan, ckpt, dtype)], host, window=plan.window)
     ours = run_engine(engine, ids, prompt_len)
     tables = {k: getattr(host, k) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     ref = oracle_logits(oracle_model(ckpt, tables), ids)
