@@ -8,7 +8,7 @@ clients expect.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -121,6 +121,66 @@ def _logit_bias(bias, vocab_size: int | None) -> dict[int, float]:
     return out
 
 
+@dataclass
+class Proposal:
+    """A drafter's distribution over the vocabulary for one position, as Gemma 4's centroid head gives it:
+    real logits for the tokens `ids` and one `fill` logit shared by every other token (transformers: the
+    scored minimum minus one), or fill None when `ids` cover the vocabulary. Never expanded to vocab size."""
+
+    ids: np.ndarray  # int64 (n,), distinct
+    logits: np.ndarray  # float32 (n,)
+    fill: float | None
+    vocab: int
+    _sorted: np.ndarray = field(init=False, repr=False)
+    _order: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.ids, self.logits = np.asarray(self.ids, np.int64), np.asarray(self.logits, np.float32)
+        if self.ids.shape != self.logits.shape or (self.fill is None and len(self.ids) != self.vocab):
+            raise ValueError(f"proposal: {len(self.ids)} ids, {len(self.logits)} logits, fill {self.fill}")
+        self._order = np.argsort(self.ids)
+        self._sorted = self.ids[self._order]
+
+    def _unscored(self, k: int) -> int:
+        """The k-th smallest id outside `ids`: below sorted[i] lie sorted[i] - i unscored ids."""
+        return k + int(np.searchsorted(self._sorted - np.arange(len(self._sorted)), k, side="right"))
+
+    def argmax(self) -> int:
+        """The most likely token, ties by lowest id (as an argmax over the full logit vector)."""
+        best = self.logits.max()
+        top = int(self.ids[self.logits == best].min())
+        if self.fill is None or len(self.ids) == self.vocab or self.fill < best:
+            return top
+        lowest = self._unscored(0)
+        return lowest if self.fill > best else min(top, lowest)
+
+    def _weights(self, temperature: float) -> tuple[np.ndarray, float]:
+        """Unnormalised softmax(logits / T) of the scored tokens, and the total of the unscored ones."""
+        x = self.logits.astype(np.float64)  # and the fill with it: float32 - float would round it to float32
+        m = x.max() if self.fill is None else max(x.max(), self.fill)
+        w = np.exp((x - m) / temperature)
+        rest = 0.0 if self.fill is None else (self.vocab - len(self.ids)) * np.exp((self.fill - m) / temperature)
+        return w, float(rest)
+
+    def probs(self, tokens: np.ndarray, temperature: float) -> np.ndarray:
+        """q(token) for each of `tokens` under softmax(logits / T) over the whole vocabulary (float64)."""
+        w, rest = self._weights(temperature)
+        tokens = np.asarray(tokens, np.int64)
+        pos = np.minimum(np.searchsorted(self._sorted, tokens), len(self._sorted) - 1)
+        hit = self._sorted[pos] == tokens
+        each = rest / max(self.vocab - len(self.ids), 1)
+        return np.where(hit, w[self._order[pos]], each) / (w.sum() + rest)
+
+    def draw(self, rng: np.random.Generator, temperature: float) -> int:
+        """One exact draw: scored against unscored by their total mass, an unscored token uniformly."""
+        w, rest = self._weights(temperature)
+        c = np.cumsum(w)
+        u = rng.random() * (c[-1] + rest)
+        if rest and u >= c[-1]:
+            return self._unscored(int(rng.integers(self.vocab - len(self.ids))))
+        return int(self.ids[min(int(np.searchsorted(c, u, side="right")), len(c) - 1)])
+
+
 class Sampler:
     """Holds the random stream and the token counts: one Sampler per generation, so a seed
     reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
@@ -220,6 +280,30 @@ class Sampler:
         """The next token id from (already adjusted) float32 logits: a draw from `distribution`."""
         ids, probs = self.distribution(logits)
         return int(ids[0]) if self.greedy else self._pick(ids, probs)
+
+    def draft(self, proposal: Proposal) -> int:
+        """A drafter's token: its argmax when decoding greedily, else a draw from q at our temperature
+        (no truncations: speculative sampling is exact for any q that `verify` is given too)."""
+        return proposal.argmax() if self.greedy else proposal.draw(self.rng, self.p.temperature)
+
+    def verify(self, logits: np.ndarray, draft: int, proposal: Proposal) -> tuple[int, bool]:
+        """(token, accepted) for the position `draft` fills, from chunk_3's raw logits there: speculative
+        sampling (Leviathan et al. 2023), so the token is distributed exactly as `sample(logits)`'s. Greedy
+        keeps the target's own token. Does not observe(): the caller observes each token it emits, in order."""
+        if self.greedy:
+            t = self.sample(logits)
+            return t, t == int(draft)
+        ids, p = self.distribution(self.adjust(np.array(logits, np.float32)))
+        at = np.flatnonzero(ids == draft)
+        p_draft = p[at[0]] if len(at) else 0.0
+        q_draft = proposal.probs(np.array([draft]), self.p.temperature)[0]
+        if self.rng.random() * q_draft < p_draft:  # probability min(1, p/q); q > 0 for a draft drawn from q
+            return int(draft), True
+        # Rejected: draw from normalise(max(0, p - q)), which lives on p's support.
+        residual = np.maximum(p - proposal.probs(ids, self.p.temperature), 0.0)
+        total = residual.sum()
+        # p <= q everywhere only by rounding (p == q): the rejection itself then has probability ~0.
+        return self._pick(ids, p if total < 1e-12 else residual / total), False
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, probabilities) the next token is drawn from, given (already adjusted) float32
