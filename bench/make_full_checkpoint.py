@@ -3,6 +3,7 @@
     python bench/make_full_checkpoint.py OUT                # E2B: 35 layers, PLE 262144x8960: 9.3 GB bf16
     python bench/make_full_checkpoint.py OUT --config e4b   # E4B: 42 layers, hidden 2560
     python bench/make_full_checkpoint.py OUT --quick        # E2B's layout at toy widths, for the test suite
+    python bench/make_full_checkpoint.py OUT --assistant    # gemma-4-E2B-it-assistant: the 78 M drafter
 
 The real weights cannot be downloaded here, so the benchmarks run on this: the Hub's config.json
 of gemma-4-E2B-it (tests/fixtures/e2b_config.json, or e4b_config.json), the multimodal key layout
@@ -27,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, publish  # noqa: E402
 
+from gemma_ane.files import building  # noqa: E402
 from gemma_ane.tiny import checkpoint_dir  # noqa: E402
 
 CONFIGS = {name: ROOT / "tests" / "fixtures" / f"{name}_config.json" for name in ("e2b", "e4b")}
@@ -146,11 +148,39 @@ def make_checkpoint(out: Path, quick: bool = False, shard_gb: float = 4.0, seed:
     return {"tensors": len(params), "parameters": total // 2, "bytes": total, "shards": len(shards)}
 
 
+def make_assistant(out: Path, seed: int = 0) -> dict:
+    """The drafter at its real size (78 M parameters, one bf16 file), built by transformers from the Hub's
+    config.json (tests/fixtures/e2b_assistant_config.json) with the same trained-like scales, and a random
+    token_ordering: its head then scores real clusters of a permuted vocabulary, as the published one does."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    config = json.loads((ROOT / "tests" / "fixtures" / "e2b_assistant_config.json").read_text())
+    text = Gemma4TextConfig(**config.pop("text_config"))
+    config.pop("model_type", None)
+    model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(**config, text_config=text)).eval()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            kind, a, b = scale_of(name if "centroids" not in name else "embed_tokens.weight")
+            n = param.numel()
+            x = rng.uniform(a, b, n) if kind == "uniform" else rng.standard_normal(n) * a
+            param.copy_(torch.from_numpy(x.astype(np.float32)).view(param.shape))
+        order = model.masked_embedding.token_ordering
+        order.copy_(torch.from_numpy(rng.permutation(order.numel())))
+    model.generation_config.num_assistant_tokens = 4
+    with building(out) as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp)  # floating tensors only: token_ordering stays int64
+    total = sum(p.numel() for p in model.parameters())
+    return {"tensors": len(model.state_dict()), "parameters": total, "bytes": 2 * total, "shards": 1}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--config", choices=sorted(CONFIGS), default="e2b", help="which model's config (default e2b)")
     p.add_argument("--quick", action="store_true", help="E2B's layout at toy widths, 6 layers (for the test suite)")
+    p.add_argument("--assistant", action="store_true", help="E2B's drafter (gemma-4-E2B-it-assistant) instead")
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size in GB (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -162,10 +192,13 @@ def main(argv=None):
     t0 = time.perf_counter()
     if a.quick and a.config != "e2b":
         sys.exit("error: --quick writes E2B's layout only")
-    info = make_checkpoint(out, a.quick, a.shard_gb, a.seed, a.config)
+    if a.assistant and (a.quick or a.config != "e2b"):
+        sys.exit("error: --assistant writes E2B's drafter only (its config is the one published)")
+    info = make_assistant(out, a.seed) if a.assistant else make_checkpoint(out, a.quick, a.shard_gb, a.seed, a.config)
     seconds = time.perf_counter() - t0
+    what = "E2B assistant" if a.assistant else "quick (toy widths)" if a.quick else a.config.upper() + " text config"
     body = (
-        f"{'quick (toy widths)' if a.quick else a.config.upper() + ' text config'}: {info['tensors']} tensors, "
+        f"{what}: {info['tensors']} tensors, "
         f"{info['parameters']:,} parameters, {info['bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shards, "
         f"written in {seconds:.0f} s"
     )

@@ -17,7 +17,7 @@ from .engine import Engine, HostTables
 from .files import FileFormatError, read_json, sha256_file, tree_size
 from .host import rope_tables, rotated_pairs
 from .package import Package, PackageError, macs, weight_bytes
-from .spec import ModelSpec
+from .spec import FULL, MAX_DRAFT_TOKENS, SLIDING, ModelSpec
 
 
 class BundleError(ValueError):
@@ -309,11 +309,40 @@ MODEL_CONFIG = {
     "bos_token_id": (False, "a token id", _token),
     "eos_token_id": (False, "a token id", _token),
     "layer_types": (False, "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    "sliding_window": (False, "a positive integer", _positive),  # the ring may be wider (spec.ring_slots)
     "context_length": (False, "a positive integer", _positive),  # these four: the published plan's
     "prefill_batch": (False, "a positive integer", _positive),
     "split": (False, "two layer indices", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive, v))),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
 }
+
+# model_config.json's `assistant` (a bundle with a drafter, assistant.config_entry): name -> (what it must be, test
+# of the value given the entry so far and the whole config); every field is required
+ASSISTANT_CONFIG = {
+    "draft_tokens": (
+        f"an integer in [1, {MAX_DRAFT_TOKENS}]",
+        lambda v, a, c: _integer(v) and 1 <= v <= MAX_DRAFT_TOKENS,
+    ),
+    "hidden_size": ("a positive integer", lambda v, a, c: _positive(v)),
+    "backbone_hidden_size": ("the hidden_size", lambda v, a, c: _positive(v) and v == c["hidden_size"]),
+    "num_centroids": (
+        "0 (a plain head) or a divisor of vocab_size",
+        lambda v, a, c: _integer(v) and (v == 0 or v > 0 and c["vocab_size"] % v == 0),
+    ),
+    "centroid_top_k": (
+        "an integer in [1, num_centroids] (0 without centroids)",
+        lambda v, a, c: _integer(v) and (1 <= v <= a["num_centroids"] if a["num_centroids"] else v == 0),
+    ),
+    "producers": (
+        "layer indices by layer type, full_attention among them",
+        lambda v, a, c: (
+            isinstance(v, dict)
+            and FULL in v
+            and all(t in (SLIDING, FULL) and _token(i) and i < c["num_hidden_layers"] for t, i in v.items())
+        ),
+    ),
+}
+ASSISTANT_SIDECARS = ("assistant_embed_q8.bin", "assistant_embed_scales.bin", "assistant_token_ordering.bin")
 
 
 def read_model_config(root: Path) -> dict:
@@ -336,7 +365,25 @@ def read_model_config(root: Path) -> dict:
             value = value if len(value) <= 40 else value[:37] + "..."
             what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
             raise BundleError(f"{path}: {name}={value}: expected {what}")
+    if "assistant" in config:
+        _check_assistant_config(path, config)
     return config
+
+
+def _check_assistant_config(path: Path, config: dict) -> None:
+    a = config["assistant"]
+    if not isinstance(a, dict):
+        raise BundleError(f"{path}: assistant: expected a JSON object, found {type(a).__name__}")
+    for name, (what, ok) in ASSISTANT_CONFIG.items():
+        if name not in a:
+            raise BundleError(f"{path}: assistant.{name}: missing")
+        if not ok(a[name], a, config):
+            value = repr(a[name])
+            raise BundleError(
+                f"{path}: assistant.{name}={value if len(value) <= 40 else value[:37] + '...'}: expected {what}"
+            )
+    if SLIDING in a["producers"] and "sliding_window" not in config:
+        raise BundleError(f"{path}: sliding_window: missing (the assistant's sliding layers need it)")
 
 
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
@@ -353,6 +400,7 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
             check(root)
         except BundleError as e:
             problems.append(str(e))
+    problems += _assistant_problems(root)
     if sha256 and not (root / "manifest.json").exists() and not problems:
         try:
             if not is_published(root):
@@ -361,6 +409,21 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
         except BundleError as e:
             problems.append(str(e))
     return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+
+
+def _assistant_problems(root: Path) -> list[str]:
+    """A bundle whose model_config.json states an assistant must hold its package and its head's sidecars."""
+    try:
+        a = read_model_config(root).get("assistant")
+    except BundleError:
+        return []  # check_bundle has reported it
+    if a is None:
+        return []
+    missing = (
+        [] if any((root / f"assistant{s}").exists() for s in (".mlpackage", ".mlmodelc")) else ["assistant.mlpackage"]
+    )
+    missing += [f for f in ASSISTANT_SIDECARS if a["num_centroids"] and not (root / f).is_file()]
+    return [f"{root / f}: missing" for f in missing]  # as check_manifest words it: reported once
 
 
 def is_published(root: Path) -> bool:
@@ -398,7 +461,8 @@ def open_engine(
     chunks = open_chunks(chunk_paths(root), pick_backend(backend), precision, compute_units)
     if len(chunks) != 3:
         raise BundleError(f"{root}: expected chunk_1..chunk_3, found {len(chunks)} chunks")
-    engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype)
+    # a ring padded for verify batches is wider than the window, which only the config states
+    engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
     _check_rope(root, engine.host, engine.context, exact_rope)
     return engine
 

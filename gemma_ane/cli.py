@@ -113,6 +113,8 @@ def cmd_convert(a):
         force=a.force,
         layout=a.layout,
         kv_prefill_batches=_batches(a.kv_prefill_batches),
+        assistant=a.assistant,
+        draft_tokens=a.draft_tokens,
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -180,6 +182,7 @@ def cmd_generate(a):
     if a.json_schema is not None:
         kw["response_format"] = _response_format(a.json_schema)
     model = load(a.bundle, backend=a.backend)
+    model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     if a.json:
         result = model.generate(a.prompt, **kw)
@@ -243,7 +246,12 @@ def _summary(last) -> str:
     return (
         f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
         f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
-        f" | finish: {last.finish_reason}"
+        + (
+            f" | drafts: {last.acceptance_rate:.0%} accepted, {last.tokens_per_verify:.2f} tokens a verify call"
+            if last.tokens_per_verify
+            else ""
+        )
+        + f" | finish: {last.finish_reason}"
     )
 
 
@@ -276,6 +284,7 @@ def cmd_chat(a):
     from . import load
 
     model = load(a.bundle, backend=a.backend)
+    model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
     interactive = sys.stdin.isatty()
@@ -353,6 +362,9 @@ def cmd_check(a):
     return 0
 
 
+DRAFT_HELP = "speculative decoding: the bundle's drafter proposes K tokens a verify call (convert --assistant)"
+
+
 def _add_sampling(s):
     s.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
     s.add_argument("--max-tokens", type=int, default=256)
@@ -364,6 +376,7 @@ def _add_sampling(s):
     s.add_argument("--min-p", type=float)
     s.add_argument("--repetition-penalty", type=float)
     s.add_argument("--seed", type=int)
+    s.add_argument("--draft", type=int, default=0, metavar="K", help=DRAFT_HELP)
     s.add_argument(
         "--prompt-cache",
         metavar="FILE",
@@ -419,6 +432,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="ours",
         choices=["ours", "published"],
         help="published: reproduce the published layout (argmax head, fp32 norm file, all-pairs RoPE)",
+    )
+    s.add_argument(
+        "--assistant",
+        metavar="DIR",
+        help="also convert this Gemma 4 drafter (Gemma4AssistantForCausalLM) for speculative decoding",
+    )
+    s.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=3,
+        metavar="K",
+        help="with --assistant: drafts checked per verify call (verify_b{K+1} functions; default 3)",
     )
     s.set_defaults(fn=cmd_convert)
 

@@ -27,7 +27,7 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .files import FileFormatError, building, is_within, sha256_file, stop_point, tree_size
 from .host import quantize_rows, rope_tables
-from .spec import ChunkPlan, ConfigError, ModelSpec
+from .spec import MAX_DRAFT_TOKENS, ChunkPlan, ConfigError, ModelSpec
 
 HF_FILES = (
     "config.json",
@@ -60,6 +60,9 @@ class ConvertOptions:
     layout: str = "ours"
     # KV-only prefill batch sizes; None = those of 64 and 8 that divide the window
     kv_prefill_batches: tuple[int, ...] | None = None
+    # a Gemma 4 drafter's checkpoint directory: adds assistant.mlpackage and verify_b{draft_tokens + 1} functions
+    assistant: str | None = None
+    draft_tokens: int = 3
 
     def check(self) -> None:
         if self.bits not in (4, 6, 8, 16):
@@ -70,6 +73,12 @@ class ConvertOptions:
             raise ConvertError(f"--group-size {self.group_size}: must be >= 1")
         if self.compile and platform.system() != "Darwin":
             raise ConvertError("--compile: compiling to .mlmodelc needs macOS (coremlcompiler); use --no-compile here")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int):
+            raise ConvertError(f"--draft-tokens {self.draft_tokens!r}: expected an integer")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConvertError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
+        if self.assistant and self.layout == "published":
+            raise ConvertError("--assistant: the published layout has no drafter (its head is an argmax); use ours")
 
 
 # -- coremltools glue ---------------------------------------------------------------------------
@@ -312,8 +321,10 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
         np.lib.format.write_array(f, np.ascontiguousarray(array), version=(1, 0), allow_pickle=False)
 
 
-def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name: str) -> dict:
-    return {
+def model_config(
+    spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name: str, assistant: dict | None = None
+) -> dict:
+    config = {
         "model_name": name,
         "architecture": "gemma4",
         "hidden_size": spec.hidden_size,
@@ -345,9 +356,14 @@ def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name
         "split": list(plan.split),
         "head": "token_id" if options.layout == "published" else "logits",
     }
+    if assistant is not None:  # assistant.config_entry: the drafter's shapes and head, K drafts per verify call
+        config["assistant"] = assistant
+    return config
 
 
-def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str) -> None:
+def write_sidecars(
+    ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str, assistant: dict | None = None
+) -> None:
     spec = ckpt.spec
     _write_rows_int8(ckpt, "embed_tokens.weight", out / "embed_tokens_q8.bin", out / "embed_tokens_scales.bin")
     _write_rows_int8(
@@ -373,7 +389,8 @@ def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, o
     for layer_type, (cos, sin) in tables.items():
         _save_npy(out / f"cos_{names[layer_type]}.npy", cos.astype(np.float16))
         _save_npy(out / f"sin_{names[layer_type]}.npy", sin.astype(np.float16))
-    (out / "model_config.json").write_text(json.dumps(model_config(spec, plan, options, name), indent=2) + "\n")
+    config = model_config(spec, plan, options, name, assistant)
+    (out / "model_config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf = out / "hf_model"
     hf.mkdir()
     for f in HF_FILES:
@@ -388,7 +405,9 @@ def bundle_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("manifest.json",))
 
 
-def write_manifest(out: Path, src: Path, options: ConvertOptions, plan: ChunkPlan) -> dict:
+def write_manifest(
+    out: Path, src: Path, options: ConvertOptions, plan: ChunkPlan, assistant: dict | None = None
+) -> dict:
     import coremltools as ct
     import torch
 
@@ -400,6 +419,8 @@ def write_manifest(out: Path, src: Path, options: ConvertOptions, plan: ChunkPla
         "source": {"path": str(src), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
         "options": {**asdict(options), "split": list(plan.split)},
         "plan": plan.to_json(),
+        # the drafter package's interface, as the plan states the chunks' (a compiled package cannot be read back)
+        **({"assistant": assistant} if assistant is not None else {}),
         "files": {
             str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in bundle_files(out)
         },
@@ -418,6 +439,14 @@ def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, s
         f"| `{c.name}` | {c.layers[0]}-{c.layers[-1]} | {', '.join(c.functions)} "
         f"| {sizes.get(c.name, 0) / 1e6:.1f} MB |"
         for c in plan.chunks
+    )
+    if options.assistant:
+        chunks += f"\n| `assistant` | drafter | draft | {sizes.get('assistant', 0) / 1e6:.1f} MB |"
+    drafter = (
+        f"\n- speculative decoding: Gemma 4's drafter (`{Path(options.assistant).name}`) as `assistant`, "
+        f"{plan.draft_tokens} drafts checked per `verify_b{plan.draft_tokens + 1}` call"
+        if options.assistant
+        else ""
     )
     return f"""---
 license: gemma
@@ -439,7 +468,7 @@ top-p or seed).
 
 - weights: {quant}; token and per-layer embeddings as int8 sidecars
 - context {plan.context}, sliding window {plan.window}, prefill batch {plan.prefill_batch}
-- iOS 18 / macOS 15 ML Programs, fp16 compute
+- iOS 18 / macOS 15 ML Programs, fp16 compute{drafter}
 
 | chunk | layers | functions | size |
 |---|---|---|---|
@@ -545,6 +574,7 @@ def convert(
     try:
         if is_within(out, root) or is_within(root, out):  # replacing OUT would delete or litter the checkpoint
             raise ConvertError(f"{out}: OUT must not be, hold or lie inside the checkpoint {root}; choose another OUT")
+        drafter = _check_assistant(options, plan)  # before anything is written: a bad pairing costs nothing
         with building(out) as tmp:
             if not compile_ and options.compile is None:
                 print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
@@ -552,17 +582,38 @@ def convert(
                 chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
                 for chunk in plan.chunks
             }
+            if drafter:
+                from .assistant import convert_assistant
+
+                sizes["assistant"] = convert_assistant(options.assistant, plan, options, tmp, timer, compile_)
             name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
             with timer("sidecars"):
-                write_sidecars(ckpt, plan, options, tmp, name)
+                write_sidecars(ckpt, plan, options, tmp, name, drafter and drafter["config"])
                 (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
                 if options.layout == "ours":
-                    write_manifest(tmp, root, options, plan)
+                    write_manifest(tmp, root, options, plan, drafter and drafter["manifest"])
     except FileFormatError as e:
         raise ConvertError(str(e)) from None
     finally:
         ckpt.close()
     return timer.seconds
+
+
+def _check_assistant(options: ConvertOptions, plan: ChunkPlan) -> dict | None:
+    """With --assistant: its model_config.json entry and manifest entry, the pairing and tensors checked."""
+    if not options.assistant:
+        return None
+    from .assistant import config_entry, draft_io, open_assistant
+
+    spec, ckpt = open_assistant(options.assistant, plan.spec)
+    ckpt.close()
+    try:
+        package = draft_io(spec, plan)
+    except ConfigError as e:
+        raise ConvertError(f"--assistant: {e}") from None
+    config_sha = hashlib.sha256((ckpt.root / "config.json").read_bytes()).hexdigest()
+    source = {"path": str(ckpt.root), "config_sha256": config_sha}
+    return {"config": config_entry(spec, plan), "manifest": {"source": source, **package.to_json()}}
 
 
 def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, ChunkPlan]:
@@ -583,6 +634,7 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
             options.split,
             head="token_id" if options.layout == "published" else "logits",
             kv_batches=kv,
+            draft_tokens=options.draft_tokens if options.assistant else 0,
         )
     except ConfigError as e:
         raise ConvertError(str(e)) from None

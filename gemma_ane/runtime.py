@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,7 +18,8 @@ from . import grammar, prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
 from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
-from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine
+from .drafter import open_drafter
+from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
 from .sampling import BAN, Sampler, SamplingParams
 from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
@@ -35,6 +37,25 @@ class Stats:
     time_to_first_token: float = 0.0  # seconds: prompt processing plus the first draw
     prefill_tokens_per_s: float = 0.0  # prompt tokens processed (not reused) per second
     decode_tokens_per_s: float = 0.0  # tokens after the first, per second
+    # speculative decoding (draft_tokens): drafts the target accepted / drafts proposed, and tokens emitted per
+    # verify call (accepted drafts plus the target's own token); 0.0 when no draft was verified
+    acceptance_rate: float = 0.0
+    tokens_per_verify: float = 0.0
+
+
+@dataclass
+class _Speculation:
+    """Counts of one generation's verify calls."""
+
+    calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def add(self, drafted: int, emitted: int) -> None:
+        # a call emits the accepted drafts and one token of the target's own (a correction, or the bonus after all)
+        self.calls, self.drafted, self.emitted = self.calls + 1, self.drafted + drafted, self.emitted + emitted
+        self.accepted += emitted - 1
 
 
 @dataclass
@@ -72,9 +93,11 @@ class Model:
         generation: dict,
         config: dict,
         backend: str,
+        drafter=None,
     ):
         self.root, self.engine, self.tokenizer, self.template = root, engine, tokenizer, template
         self.generation, self.config, self.backend = generation, config, backend
+        self.drafter = drafter
         eos = generation.get("eos_token_id", [])
         eos = eos if isinstance(eos, list) else [eos]
         # <|tool_response> too: after its calls the model would go on to write the tool's answer itself
@@ -90,6 +113,17 @@ class Model:
     def head(self) -> str:
         """ "logits", or "token_id" for the published layout's argmax head (greedy only)."""
         return self.engine.head
+
+    # Drafts per verify call when a generation does not say (`draft_tokens`): 0 decodes one token per call.
+    draft_tokens: int = 0
+    # The drafter or the verify function could not load on this device (one warning): every generation decodes
+    # without drafts, whatever it asks for.
+    drafts_unavailable: bool = False
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts one verify call of this bundle checks (0: it has no drafter)."""
+        return self.engine.verify_batch - 1 if self.drafter is not None and self.engine.verify_batch else 0
 
     # Whether the text of user and tool messages may spell control tokens that count as such: off, a user
     # who types "<turn|>" or "<|turn>system" cannot end their turn or open a system turn (a server's option).
@@ -187,6 +221,7 @@ class Model:
         tool_choice="auto",
         parallel_tool_calls: bool = True,
         response_format: dict | None = None,
+        draft_tokens: int | None = None,
         **sampling,
     ) -> Iterator[Event]:
         """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
@@ -195,7 +230,10 @@ class Model:
         makes come back on Event.tool_calls, and a turn that ends in calls finishes with "tool_calls".
         tool_choice: "auto", "none" (the model cannot open a call), "required" or a function's name
         (the output is forced to be calls, by constrained decoding). response_format: OpenAI's
-        {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding."""
+        {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding.
+        draft_tokens: speculative decoding with the bundle's drafter, K drafts per verify call (default:
+        `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for token; sampled output
+        follows the same distribution. Constrained generations decode one token at a time."""
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
@@ -225,42 +263,47 @@ class Model:
         )
         reused, logits = self.engine.prompt(ids, marks)
         sampler = Sampler(params, history=ids)
+        drafts, spec = self._drafts(draft_tokens, constraint), _Speculation()
+        steps = (
+            self._speculate(logits, sampler, drafts, max_tokens, spec)
+            if drafts
+            else self._decode(logits, sampler, constraint)
+        )
         generated, finish, t_first = 0, None, None
-        while max_tokens:
-            token = self._pick(sampler, logits if constraint is None else constraint.mask(logits))
-            if constraint is not None:
-                constraint.advance(token)
-            t_first = t_first or time.perf_counter()
-            # the published head returns the chosen id only: no distribution to report
-            lp, top = (None, [])
-            if self.head == "logits" and params.logprobs is not None:
-                lp, top = sampler.logprobs(logits, token)
-            generated += 1
-            sampler.observe(token)
-            if token in self.stop_ids:
-                finish = "tool_calls" if parser.tool_calls else "stop"
-                end = parser.finish()
-                yield Event(token=token, text=end.content, tool_calls=end.tool_calls, logprob=lp, top_logprobs=top)
-                break
-            delta = parser.add(token)
-            yield Event(
-                token=token,
-                text=delta.content,
-                reasoning=delta.reasoning,
-                tool_calls=delta.tool_calls,
-                logprob=lp,
-                top_logprobs=top,
-            )
-            if parser.stopped:
-                finish = "stop"
-                break
-            if delta.tool_calls and not parallel_tool_calls:
-                finish = "tool_calls"  # one call asked for: its response comes before anything else
-                break
-            if generated >= max_tokens or self.engine.position >= self.context:
-                finish = "length"  # no feed: chunk_3 runs only where a next token is needed
-                break
-            logits = self.engine.feed([token])[-1]
+        try:
+            for token, logits in steps if max_tokens else ():
+                t_first = t_first or time.perf_counter()
+                # the published head returns the chosen id only: no distribution to report
+                lp, top = (None, [])
+                if self.head == "logits" and params.logprobs is not None:
+                    lp, top = sampler.logprobs(logits, token)
+                generated += 1
+                if token in self.stop_ids:
+                    finish = "tool_calls" if parser.tool_calls else "stop"
+                    end = parser.finish()
+                    yield Event(token=token, text=end.content, tool_calls=end.tool_calls, logprob=lp, top_logprobs=top)
+                    break
+                delta = parser.add(token)
+                yield Event(
+                    token=token,
+                    text=delta.content,
+                    reasoning=delta.reasoning,
+                    tool_calls=delta.tool_calls,
+                    logprob=lp,
+                    top_logprobs=top,
+                )
+                if parser.stopped:
+                    finish = "stop"
+                    break
+                if delta.tool_calls and not parallel_tool_calls:
+                    finish = "tool_calls"  # one call asked for: its response comes before anything else
+                    break
+                # the context holds the prompt and every token but this one, which is not fed: no chunk runs for it
+                if generated >= max_tokens or len(ids) + generated > self.context:
+                    finish = "length"
+                    break
+        finally:
+            steps.close()  # a speculative step rewinds the caches to the tokens emitted
         finish = finish or "length"  # max_tokens=0
         end = time.perf_counter()
         tail = parser.finish().content if finish == "length" else ""
@@ -274,7 +317,95 @@ class Model:
             time_to_first_token=ttft if t_first else 0.0,
             prefill_tokens_per_s=(len(ids) - reused) / ttft if t_first and ttft else 0.0,
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
+            acceptance_rate=spec.accepted / spec.drafted if spec.drafted else 0.0,
+            tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
         )
+
+    def _decode(self, logits, sampler: Sampler, constraint) -> Iterator[tuple[int, object]]:
+        """(token, the logits it was drawn from), one chunk call per token."""
+        while True:
+            token = self._pick(sampler, logits if constraint is None else constraint.mask(logits))
+            if constraint is not None:
+                constraint.advance(token)
+            sampler.observe(token)
+            yield token, logits
+            logits = self.engine.feed([token])[-1]
+
+    def _speculate(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[tuple[int, object]]:
+        """As _decode, but the drafter proposes up to k tokens after the last one and one verify call checks
+        them all: each emitted token is the one the target's own sampling gives (Sampler.verify). Where no
+        verify call fits (the context's end, the ring's edge) or fewer than two tokens remain: one plain step."""
+        engine = self.engine
+        token = sampler.sample(logits)
+        sampler.observe(token)
+        yield token, logits
+        emitted = 1
+        while True:
+            n = min(k, budget - emitted - 1)
+            batch = self._verify(token, n, sampler, spec) if n >= 1 and engine.can_verify() and self.drafter else None
+            if batch is None:
+                logits = engine.feed([token])[-1]
+                token = sampler.sample(logits)
+                sampler.observe(token)
+                batch = [(token, logits)]
+            start = engine.position - len(batch)  # where the last token before this batch is cached
+            for i, (token, row) in enumerate(batch):
+                try:
+                    yield token, row
+                except GeneratorExit:
+                    engine.rewind(start + i + 1)  # as plain decoding: every token taken but the last is cached
+                    raise
+            emitted += len(batch)
+
+    def _verify(self, token: int, n: int, sampler: Sampler, spec) -> list[tuple[int, object]] | None:
+        """One speculative step from `token` (not cached yet): n drafts, one verify call, the tokens it emits
+        with the rows they were drawn from; the caches keep `token` and the accepted drafts. None when the
+        drafter or the verify function cannot run on this device: decoding goes on without drafts."""
+        engine, P = self.engine, self.engine.position
+        try:
+            drafts, proposals, x, carry = [], [], token, engine.final_hidden
+            for _ in range(n):
+                proposal, carry = self.drafter.step(x, carry, P, engine.shared_kv)
+                x = sampler.draft(proposal)
+                drafts.append(x)
+                proposals.append(proposal)
+            rows, hidden = engine.verify([token, *drafts] + [0] * (engine.verify_batch - 1 - n))
+        except FunctionUnavailable as e:
+            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=4)
+            self.drafter, self.drafts_unavailable = None, True
+            return None
+        out = []
+        for row, draft, proposal in zip(rows, drafts, proposals):
+            t, accepted = sampler.verify(row, draft, proposal)
+            sampler.observe(t)
+            out.append((t, row))
+            if not accepted:
+                break
+        else:  # every draft held: the last row gives one more token
+            t = sampler.sample(rows[n])
+            sampler.observe(t)
+            out.append((t, rows[n]))
+        engine.accept(P + len(out), hidden[len(out) - 1])
+        spec.add(n, len(out))
+        return out
+
+    def use_drafts(self, k: int) -> None:
+        """Speculative decoding with k drafts a verify call for every generation that does not say otherwise
+        (the CLI's and the server's --draft); 0 turns it off. A ValueError when this bundle cannot."""
+        self._drafts(k, None)
+        self.draft_tokens = k
+
+    def _drafts(self, draft_tokens, constraint) -> int:
+        """Drafts per verify call for this generation (0: plain decoding)."""
+        k = self.draft_tokens if draft_tokens is None else draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"draft_tokens={k!r}: expected a non-negative integer")
+        if k and not self.max_draft_tokens and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
+        if k > self.max_draft_tokens and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {self.max_draft_tokens} drafts a call")
+        # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
+        return 0 if constraint is not None or self.drafter is None else k
 
     def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool):
         """The grammar this generation must follow, if any: forced calls, or the response format."""
@@ -341,15 +472,9 @@ def load(
     tokenizer = Tokenizer.from_file(str(root / "hf_model" / "tokenizer.json"))
     gen_path = root / "hf_model" / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else {}
-    return Model(
-        root,
-        engine,
-        tokenizer,
-        _template(root / "hf_model"),
-        generation,
-        read_json(root / "model_config.json"),
-        backend,
-    )
+    config = read_json(root / "model_config.json")
+    drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
+    return Model(root, engine, tokenizer, _template(root / "hf_model"), generation, config, backend, drafter)
 
 
 def _template(hf: Path) -> ChatTemplate:

@@ -823,6 +823,7 @@ def serve(
     max_queue: int = 16,
     prompt_cache: str | None = None,
     allow_special_tokens: bool = False,
+    draft_tokens: int = 0,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again."""
@@ -839,6 +840,7 @@ def serve(
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     model = load(bundle, backend=backend)
     model.allow_special_tokens = allow_special_tokens
+    model.use_drafts(draft_tokens)
     if prompt_cache:
         log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
     app = build_app(model, model_name=Path(bundle).resolve().name, api_key=api_key, max_queue=max_queue)
@@ -859,6 +861,7 @@ def _cmd_serve(a) -> int:
         max_queue=a.max_queue,
         prompt_cache=a.prompt_cache,
         allow_special_tokens=a.allow_special_tokens,
+        draft_tokens=a.draft,
     )
     return 0
 
@@ -880,6 +883,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--allow-special-tokens",
         action="store_true",
         help="let user and tool text spell control tokens (default: it stays text, so no one can forge a turn)",
+    )
+    p.add_argument(
+        "--draft",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding for every request: the bundle's drafter proposes K tokens a verify call",
     )
     p.set_defaults(fn=_cmd_serve)
 

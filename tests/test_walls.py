@@ -52,8 +52,10 @@ RUNTIME = {
     "tokens",
     "tools",
     "grammar",
+    "drafter",
+    "images",
 }
-CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files"}
+CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files", "assistant", "vision"}
 
 
 def imports(module: str) -> set[str]:

@@ -1,0 +1,173 @@
+"""The drafter at run time: one `draft` call of assistant.mlpackage per proposed token, and its centroid head.
+
+A draft at position P (the last token's; the caches hold rows up to P-1, and perhaps rows of rejected drafts past
+it, which the masks hide): the package attends to the target's producer caches as chunk_2 returned them, its
+sliding layers to the W+1 newest positions P-1-W .. P-1 (one more than the target's own layers, as transformers
+feeds the drafter) and its full layers to 0 .. P-1. Within a burst the position stays P and the carry is the
+previous step's `carry_out`.
+
+The centroid head runs here, on the host: the graph gives the cluster scores and the final-norm hidden state; the
+best `centroid_top_k` clusters' tokens get real logits (their int8 rows of the drafter's embedding dotted with the
+hidden state) and every other token the scored minimum minus one, as transformers does. The sidecar rows are in
+cluster order, so a cluster is one contiguous read (E2B: 32 reads of 32 KB, against 4,096 reads of one row).
+
+Torch-free: this is the runtime side.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .backend import COMPUTE_UNITS, MILBackend, cast_inputs, pick_backend, read_interfaces
+from .bundle import BundleError, RowTable, _small
+from .engine import FunctionUnavailable, HostTables
+from .files import read_json
+from .host import full_mask, sliding_mask
+from .sampling import Proposal
+from .spec import FULL, SLIDING, kv_name
+
+FUNCTION = "draft"
+SHORT = {SLIDING: "s", FULL: "f"}
+MASKS = {SLIDING: "causal_mask_sliding", FULL: "causal_mask_full"}
+
+
+class CentroidHead:
+    """Gemma 4's ordered-embedding head over the sidecars: `rows` holds the drafter's embedding in cluster order
+    (row j is token ordering[j], so cluster c is rows [c n, (c+1) n)), `factors` each row's value per unit."""
+
+    def __init__(self, rows: RowTable, factors: np.ndarray, ordering: np.ndarray, num_centroids: int, top_k: int):
+        self.rows, self.top_k, self.vocab = rows, top_k, len(ordering)
+        self.clusters = np.asarray(ordering, np.int64).reshape(num_centroids, -1)  # cluster -> its token ids
+        self.factors = np.asarray(factors, np.float32).reshape(num_centroids, -1)
+
+    def __call__(self, scores: np.ndarray, hidden: np.ndarray) -> Proposal:
+        """scores (num_centroids,), hidden (Ha,) -> real logits for the best clusters' tokens, min - 1 for the rest."""
+        top = np.argpartition(-np.asarray(scores, np.float32), self.top_k - 1)[: self.top_k]
+        t, n = self.rows, self.clusters.shape[1]
+        size = n * t.row_bytes
+        data = b"".join(os.pread(t.fd, size, int(c) * size) for c in top)
+        q = np.frombuffer(data, t.dtype).reshape(len(top) * n, t.shape[1])
+        # The row factors after the dot product: one multiply per token, not per weight. einsum reads the int8 rows
+        # as they are, and is no BLAS call: BLAS threads gain nothing on 4,096 x 256 and, on a busy machine,
+        # cost 12 ms against einsum's 0.3 (measured on 2 loaded cores).
+        logits = np.einsum("ij,j->i", q, np.asarray(hidden, np.float32)) * self.factors[top].ravel()
+        return Proposal(self.clusters[top].ravel(), logits, float(logits.min()) - 1.0, self.vocab)
+
+
+class Drafter:
+    """assistant.mlpackage's `draft` function and its head, fed from the host's tables and chunk_2's caches."""
+
+    def __init__(self, package, host: HostTables, config: dict, head: CentroidHead | None):
+        self.package, self.host, self.head = package, host, head
+        self.window, self.vocab = config.get("sliding_window"), config["vocab_size"]
+        self.draft_tokens = config["assistant"]["draft_tokens"]
+        self.producers = config["assistant"]["producers"]
+        io = package.interfaces[FUNCTION]
+        self.kv_names = [kv_name(p, w) for p in self.producers.values() for w in ("k", "v")]
+        need = [*self.kv_names, *(MASKS[t] for t in self.producers), "embedding", "carry"]
+        need += ["carry_out", *(("centroid_scores", "hidden_out") if head else ("logits",))]
+        missing = [n for n in need if n not in io["inputs"] and n not in io["outputs"]]
+        if missing:
+            raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which model_config.json implies")
+        self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
+
+    def load(self) -> None:
+        """Make `draft` ready; FunctionUnavailable when the backend cannot load it (decode without drafts)."""
+        self.package.load(FUNCTION)
+
+    def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:
+        """One draft for the token at `position`: carry is the target's final-norm hidden state at position - 1
+        (or the previous step's carry); kv is chunk_2's output dict. Returns the proposal and the next carry (Hb,)."""
+        P = position
+        if not 1 <= P < self.widths[FULL]:
+            raise ValueError(f"draft position {P}: must lie in [1, context {self.widths[FULL]})")
+        x = {"embedding": self.host.embed([token])[0], "carry": np.asarray(carry, np.float32).reshape(1, 1, -1)}
+        x.update((n, kv[n]) for n in self.kv_names)
+        for t in self.producers:
+            if t == SLIDING:  # the W+1 newest positions up to P-1, in a ring of `widths` slots
+                x[MASKS[t]] = sliding_mask(P - 1, 1, self.window + 1, np.float32, ring=self.widths[t])
+            else:
+                x[MASKS[t]] = full_mask(P - 1, 1, self.widths[t], np.float32)
+            x[f"cos_{SHORT[t]}"], x[f"sin_{SHORT[t]}"] = self.host.rope_rows(t, P, 1)
+        out = self.package.predict(FUNCTION, x, None)
+        carry = np.asarray(out["carry_out"], np.float32).reshape(-1)
+        if self.head is not None:
+            return self.head(out["centroid_scores"].reshape(-1), out["hidden_out"].reshape(-1)), carry
+        logits = np.asarray(out["logits"], np.float32).reshape(-1)
+        return Proposal(np.arange(self.vocab), logits, None, self.vocab), carry
+
+
+class _CoreMLDraft:
+    """The package under Core ML. Not backend.CoreMLBackend, which loads `infer` when it opens: this package's one
+    function is `draft`, loaded by `load` (a device may refuse it; the caller then decodes without drafts)."""
+
+    def __init__(self, path: Path, compute_units: str, interfaces: dict):
+        import coremltools as ct
+
+        self.path, self.name, self.compute_units, self.interfaces = path, "assistant", compute_units, interfaces
+        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        self.model = None
+
+    def load(self, function: str) -> None:
+        import coremltools as ct
+
+        if self.model is not None:
+            return
+        error = None
+        try:
+            if self.path.suffix == ".mlpackage":
+                self.model = ct.models.MLModel(str(self.path), compute_units=self.units, function_name=function)
+                error = self.model._framework_error if self.model.__proxy__ is None else None
+            else:
+                self.model = ct.models.CompiledMLModel(str(self.path), compute_units=self.units, function_name=function)
+        except RuntimeError as e:
+            error = e
+        if error is not None:
+            self.model = None
+            raise FunctionUnavailable(f"{self.name}: {function!r} cannot be loaded on {self.compute_units} ({error})")
+
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        self.load(function)
+        return self.model.predict(cast_inputs(self.interfaces[function], inputs))
+
+
+def open_drafter(
+    root: str | Path, backend: str, precision: str, compute_units: str, host: HostTables, config: dict
+) -> Drafter | None:
+    """The bundle's drafter, or None when model_config.json states no assistant. Not loaded: call `load`."""
+    if "assistant" not in config:
+        return None
+    root = Path(root)
+    found = [p for p in (root / "assistant.mlpackage", root / "assistant.mlmodelc") if p.exists()]
+    if not found:
+        raise BundleError(f"{root / 'assistant.mlpackage'}: missing (model_config.json states an assistant)")
+    path = found[0]
+    if pick_backend(backend) == "mil":
+        package = MILBackend(path, precision)
+    else:
+        package = _CoreMLDraft(path, compute_units, _interfaces(path))
+    a = config["assistant"]
+    head = None
+    if a["num_centroids"]:
+        V, Ha = config["vocab_size"], a["hidden_size"]
+        ordering = _small(root / "assistant_token_ordering.bin", "<i4", (V,))
+        if not np.array_equal(np.sort(ordering), np.arange(V)):
+            raise BundleError(f"{root / 'assistant_token_ordering.bin'}: not a permutation of the {V} token ids")
+        scales = _small(root / "assistant_embed_scales.bin", "<f2", (V,)).astype(np.float32) / 127
+        rows = RowTable(root / "assistant_embed_q8.bin", np.int8, (V, Ha))
+        head = CentroidHead(rows, scales, ordering, a["num_centroids"], a["centroid_top_k"])
+    return Drafter(package, host, config, head)
+
+
+def _interfaces(path: Path) -> dict:
+    """A package states its interface; a compiled one cannot be read back: manifest.json's `assistant` states it."""
+    if path.suffix == ".mlpackage":
+        return read_interfaces(path)
+    manifest = path.parent / "manifest.json"
+    functions = (read_json(manifest) if manifest.is_file() else {}).get("assistant", {}).get("functions")
+    if not isinstance(functions, dict) or FUNCTION not in functions:
+        raise BundleError(f"{path}: compiled, and manifest.json states no interface for its {FUNCTION!r} function")
+    return {f: {**io, "states": {}} for f, io in functions.items()}

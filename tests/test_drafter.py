@@ -1,0 +1,558 @@
+"""The drafter as a Core ML model (assistant.py, drafter.py) against transformers' Gemma4AssistantForCausalLM: the
+torch module, the converted package run by the MIL executor (16 and 4 bits), the host's centroid head, and
+`convert --assistant` end to end."""
+
+import copy
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from gemma_ane.assistant import (
+    AssistantModel,
+    config_entry,
+    convert_assistant,
+    draft_io,
+    load_assistant,
+    open_assistant,
+)
+from gemma_ane.bundle import BundleError, RowTable, check_bundle, load_host, read_model_config
+from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.cli import main
+from gemma_ane.convert import ConvertOptions, StageTimer
+from gemma_ane.drafter import CentroidHead, Drafter, open_drafter
+from gemma_ane.engine import FunctionUnavailable, HostTables
+from gemma_ane.host import quantize_rows, rope_tables
+from gemma_ane.package import Package
+from gemma_ane.spec import FULL, SLIDING, ChunkPlan, ModelSpec
+from gemma_ane.tiny import write_tiny
+
+W, H, V = 16, 64, 512  # e2b-mini's window, hidden size and vocabulary
+CONTEXT, K = 64, 3  # K drafts per verify call: rings of 16 + 32 = 48 slots
+N = CONTEXT  # positions the target runs: K/V for every draft position and the rejected rows after it
+# past the window (17 = W+1: the first position where the drafter's W+1 rows leave one out), past the ring (48)
+POSITIONS = (1, 9, 17, 30, 50, 60)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
+    return d / "ckpt", d / "asst"
+
+
+@pytest.fixture(scope="module")
+def plan(pair):
+    return ChunkPlan.build(ModelSpec.from_pretrained(pair[0]), CONTEXT, 8, draft_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def oracle(pair):
+    """transformers' drafter, and what the target gives it: every position's producer K/V and final-norm state."""
+    from transformers import Gemma4AssistantForCausalLM, Gemma4ForConditionalGeneration
+
+    target = Gemma4ForConditionalGeneration.from_pretrained(pair[0]).eval()
+    ids = torch.randint(3, V, (1, N), generator=torch.Generator().manual_seed(1))
+    normed = []
+    hook = target.model.language_model.norm.register_forward_hook(lambda m, a, o: normed.append(o))
+    with torch.no_grad():
+        kv = target(ids, return_shared_kv_states=True).shared_kv_states
+    hook.remove()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(pair[1]).eval()
+    return SimpleNamespace(assistant=assistant, ids=ids[0].tolist(), kv=kv, normed=normed[0][0])
+
+
+def embedding(host, token: int) -> np.ndarray:
+    """The target's scaled embedding row of a token as the host holds it (int8 row times sqrt(H))."""
+    scale = np.float32(host.embed_scales[token]) / 127
+    return np.asarray(host.embed_q[[token]], np.float32)[0] * scale * math.sqrt(H)
+
+
+def transformers_draft(assistant, o, emb, carry, P):
+    """transformers' drafter at position P: sliding layers get the W+1 rows up to P-1, full layers 0..P-1."""
+    shared = {
+        SLIDING: tuple(t[:, :, max(0, P - W - 1) : P] for t in o.kv[SLIDING]),
+        FULL: tuple(t[:, :, :P] for t in o.kv[FULL]),
+    }
+    x = torch.cat([torch.from_numpy(emb), torch.as_tensor(carry, dtype=torch.float32)]).reshape(1, 1, -1)
+    with torch.no_grad():
+        out = assistant(inputs_embeds=x, position_ids=torch.tensor([[P]]), shared_kv_states=shared)
+    return out.logits[0, 0].numpy(), out.last_hidden_state[0, 0].numpy()
+
+
+def caches(o, P, ring):
+    """chunk_2's producer outputs after a verify call whose K drafts past P-1 were all rejected: rows up to P-1+K,
+    the ring at slot = position % ring; slots never written hold noise (the masks must hide all but the rows
+    the drafter reads)."""
+    rng, top = np.random.default_rng(P), P - 1 + K
+    (ks, vs), (kf, vf) = ([t[0].numpy() for t in o.kv[x]] for x in (SLIDING, FULL))
+    out = {}
+    for name, src, rows in (("kv8", (ks, vs), ring), ("kv9", (kf, vf), CONTEXT)):
+        for which, t in zip("kv", src):
+            a = rng.standard_normal((1, t.shape[0], rows, t.shape[-1])).astype(np.float32)
+            for q in range(max(0, top - rows + 1), top + 1):
+                a[0, :, q % rows] = t[:, q]
+            out[f"{name}_{which}"] = a
+    return out
+
+
+def expand(proposal) -> np.ndarray:
+    full = np.full(proposal.vocab, np.nan if proposal.fill is None else proposal.fill, np.float32)
+    full[proposal.ids] = proposal.logits
+    return full
+
+
+def bursts(drafter, o, host, assistant=None, steps=2):
+    """Per position and draft step: (our proposal, our carry, transformers' logits, its carry). The first step
+    continues from the target's final-norm state at P-1, the next from each side's own carry_out."""
+    for P in POSITIONS:
+        kv = caches(o, P, drafter.widths[SLIDING])
+        token, ours, theirs = o.ids[P], o.normed[P - 1].numpy(), o.normed[P - 1].numpy()
+        for _ in range(steps):
+            proposal, ours = drafter.step(token, ours, P, kv)
+            logits, theirs = transformers_draft(assistant or o.assistant, o, embedding(host, token), theirs, P)
+            yield P, proposal, ours, logits, theirs
+            token = int(logits.argmax())
+
+
+# -- the torch module against transformers -----------------------------------------------------------------
+
+
+class TorchDraft:
+    """An AssistantModel as the package a Drafter drives (numpy in and out), so the host side runs as shipped."""
+
+    name = "assistant"
+
+    def __init__(self, model: AssistantModel):
+        self.model = model
+        io = model.chunk.functions["draft"]
+        self.interfaces = {"draft": {k: {n: t.to_json() for n, t in io[k].items()} for k in ("inputs", "outputs")}}
+
+    def load(self, function):
+        pass
+
+    def predict(self, function, inputs, state):
+        args = [torch.from_numpy(np.asarray(inputs[n], np.float32)) for n in self.model.input_names]
+        with torch.no_grad():
+            return {n: o.numpy() for n, o in zip(self.model.output_names, self.model(*args))}
+
+
+@pytest.fixture(scope="module")
+def torch_drafter(pair, plan, tmp_path_factory):
+    """The fp32 module behind a Drafter, its host tables quantised as a bundle's, its head's rows exact (fp32)."""
+    spec, ckpt = open_assistant(pair[1], plan.spec)
+    package = draft_io(spec, plan)
+    model = load_assistant(ckpt, spec, package)
+    order = ckpt.raw("masked_embedding.token_ordering").astype(np.int64)
+    rows = tmp_path_factory.mktemp("head") / "rows.bin"
+    ckpt["model.embed_tokens.weight"][order].tofile(rows)
+    ckpt.close()
+    head = CentroidHead(RowTable(rows, np.float32, (V, spec.hidden_size)), np.ones(V), order, 32, 4)
+    target = Checkpoint(pair[0])
+    q, scales = quantize_rows(target["embed_tokens.weight"])
+    L = plan.spec.per_layer_total
+    host = HostTables(
+        q, scales, np.zeros((V, L), np.int8), np.zeros(V, np.float16), math.sqrt(H), 4.0, rope_tables(plan.spec, 128)
+    )
+    config = {"sliding_window": W, "vocab_size": V, "assistant": config_entry(spec, plan)}
+    return Drafter(TorchDraft(model), host, config, head), host
+
+
+def test_the_torch_drafter_equals_transformers(torch_drafter, oracle):
+    """At positions inside and past the window and the ring, with rejected drafts' rows in the caches: the carry
+    (post_projection of the final norm) and the logits after the centroid head, for a first and a second step."""
+    drafter, host = torch_drafter
+    seen = 0
+    for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host):
+        assert carry.shape == (H,)
+        np.testing.assert_allclose(carry, ref_carry, atol=2e-5, err_msg=f"P={P}")
+        assert set(proposal.ids.tolist()) == set(np.flatnonzero(logits > logits.min()).tolist()), P
+        np.testing.assert_allclose(expand(proposal), logits, atol=1e-4, err_msg=f"P={P}")
+        seen += 1
+    assert seen == 2 * len(POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def plain(pair, plan, oracle, tmp_path_factory):
+    """The same drafter with a plain tied head (use_ordered_embeddings off): transformers' model and ours."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    config = copy.deepcopy(oracle.assistant.config)
+    config.use_ordered_embeddings = False
+    model = Gemma4AssistantForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(oracle.assistant.state_dict(), strict=False)
+    assert not missing and unexpected == ["masked_embedding.token_ordering", "masked_embedding.centroids.weight"]
+    out = tmp_path_factory.mktemp("plain")
+    model.save_pretrained(out)
+    spec, ckpt = open_assistant(out, plan.spec)
+    assert spec.num_centroids == 0
+    package = draft_io(spec, plan)
+    assert list(package.functions["draft"]["outputs"]) == ["carry_out", "logits"]
+    ours = load_assistant(ckpt, spec, package)
+    ckpt.close()
+    return ours, model, config_entry(spec, plan)
+
+
+def test_a_plain_head_drafter_equals_transformers(plain, torch_drafter, oracle):
+    ours, theirs, entry = plain
+    _, host = torch_drafter
+    drafter = Drafter(TorchDraft(ours), host, {"sliding_window": W, "vocab_size": V, "assistant": entry}, None)
+    for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host, assistant=theirs):
+        assert proposal.fill is None and np.array_equal(proposal.ids, np.arange(V))
+        np.testing.assert_allclose(proposal.logits, logits, atol=1e-4, err_msg=f"P={P}")
+        np.testing.assert_allclose(carry, ref_carry, atol=2e-5, err_msg=f"P={P}")
+
+
+@pytest.mark.parametrize(
+    "producers, head, needle",
+    [
+        ({SLIDING: 7, FULL: 9}, True, "assistant: draft has no 'kv7_k', which model_config.json implies"),
+        ({SLIDING: 8, FULL: 9}, False, "assistant: draft has no 'logits', which model_config.json implies"),
+    ],
+)
+def test_a_package_that_disagrees_with_model_config_is_refused(torch_drafter, producers, head, needle):
+    drafter, host = torch_drafter
+    config = {"sliding_window": W, "vocab_size": V, "assistant": {"draft_tokens": K, "producers": producers}}
+    with pytest.raises(BundleError, match=re.escape(needle)):
+        Drafter(drafter.package, host, config, drafter.head if head else None)
+
+
+@pytest.mark.parametrize("P", [0, CONTEXT])
+def test_a_draft_position_outside_the_context_is_refused(torch_drafter, oracle, P):
+    drafter, _ = torch_drafter
+    with pytest.raises(ValueError, match=rf"draft position {P}: must lie in \[1, context 64\)"):
+        drafter.step(1, np.zeros(H, np.float32), P, caches(oracle, 1, 48))
+
+
+# -- the converted package ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundle16(pair, tmp_path_factory):
+    """`gemma-ane convert --assistant`, 16 bits, no KV-only prefill (fewer functions to convert)."""
+    out = tmp_path_factory.mktemp("drafter") / "bundle"
+    argv = ["convert", str(pair[0]), str(out), "--assistant", str(pair[1]), "--bits", "16", "--quiet"]
+    assert main([*argv, "--context", str(CONTEXT), "--draft-tokens", str(K), "--kv-prefill-batches", ""]) == 0
+    return out
+
+
+def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
+    config = read_model_config(host_root or root)
+    host = load_host(host_root or root, config)
+    return open_drafter(root, backend, "fp16", compute_units, host, config), host
+
+
+def test_the_16bit_package_equals_transformers(bundle16, oracle):
+    drafter, host = _open(bundle16)
+    drafter.load()
+    assert drafter.widths == {SLIDING: 48, FULL: CONTEXT}
+    for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host):
+        # Measured: carry within 0.52 % of its largest value, logits within 0.135 (range ~25; the head's
+        # int8 rows included), the same scored ids and argmax everywhere.
+        assert np.abs(carry - ref_carry).max() <= 0.01 * np.abs(ref_carry).max(), P
+        assert set(proposal.ids.tolist()) == set(np.flatnonzero(logits > logits.min()).tolist()), P
+        np.testing.assert_allclose(expand(proposal), logits, atol=0.25, err_msg=f"P={P}")
+        assert proposal.argmax() == int(logits.argmax()), P
+
+
+def test_the_host_centroid_head_equals_transformers(bundle16, oracle, pair):
+    """From the int8 sidecars: transformers' own cluster scores and final-norm state in, its masked logits out:
+    the same scored ids (the top clusters' tokens); logits and fill (min - 1) within the int8 rows' error."""
+    drafter, host = _open(bundle16)
+    table = load_file(pair[1] / "model.safetensors")["model.embed_tokens.weight"]
+    a = oracle.assistant
+    captured = {}
+    hooks = [
+        a.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", o[0, 0].numpy())),
+        a.masked_embedding.centroids.register_forward_hook(lambda m, i, o: captured.__setitem__("c", o[0, 0].numpy())),
+    ]
+    try:
+        for P in POSITIONS:
+            emb = embedding(host, oracle.ids[P])
+            logits, _ = transformers_draft(a, oracle, emb, oracle.normed[P - 1].numpy(), P)
+            h = captured["h"]
+            proposal = drafter.head(captured["c"], h)
+            scored = logits > logits.min()  # transformers fills the others with the scored minimum - 1
+            assert len(proposal.ids) == 4 * 16 == scored.sum()
+            assert set(proposal.ids.tolist()) == set(np.flatnonzero(scored).tolist()), P
+            # int8 rounds each weight by at most max|row| / 254 (measured: up to 0.42 of this bound)
+            bound = np.abs(h).sum() * np.abs(table[proposal.ids]).max(1) / 254 * 1.01
+            assert np.all(np.abs(proposal.logits - logits[proposal.ids]) <= bound), P
+            assert proposal.fill == pytest.approx(logits.min(), abs=float(bound.max()))
+            assert proposal.fill == proposal.logits.min() - 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _dequantised(package: Path) -> dict:
+    """Linear weight name (the checkpoint's) -> the dense weight the program holds, its LUT decompressed here."""
+    weights = {}
+    for op in Package.open(package).program().functions["draft"].operations:
+        if op.op_type != "linear":
+            continue
+        w = op.weight
+        if w.op.op_type == "constexpr_lut_to_dense":
+            lut, idx = np.asarray(w.op.lut.val, np.float32), np.asarray(w.op.indices.val).astype(np.intp)
+            dense = lut[np.arange(idx.shape[0])[:, None] // (idx.shape[0] // lut.shape[0]), 0, idx, 0]
+        else:
+            dense = np.asarray(w.val, np.float32)
+        weights[re.sub(r"(_to_fp16)?(_palettized)?$", "", w.name)] = (dense, w.op.op_type)
+    return weights
+
+
+@pytest.fixture(scope="module")
+def drafter4(pair, plan, tmp_path_factory):
+    """The 4-bit package alone (convert_assistant), beside the 16-bit bundle's host tables and model config."""
+    out = tmp_path_factory.mktemp("drafter4")
+    options = ConvertOptions(context=CONTEXT, bits=4, assistant=str(pair[1]), draft_tokens=K)
+    convert_assistant(pair[1], plan, options, out, StageTimer())
+    return out
+
+
+@pytest.mark.slow
+def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle16, oracle):
+    """4-bit LUTs move a random tiny drafter far from its fp32 self, so the oracle gets the program's own
+    (decompressed) weights: then the proposals and carries agree within fp16 bounds, and so does the argmax."""
+    lut = _dequantised(drafter4 / "assistant.mlpackage")
+    assert sum(kind == "constexpr_lut_to_dense" for _, kind in lut.values()) >= 20
+    same = copy.deepcopy(oracle.assistant)
+    state = same.state_dict()
+    for name in [n for n, t in state.items() if t.ndim == 2 and n.replace(".", "_") in lut]:
+        state[name] = torch.from_numpy(lut.pop(name.replace(".", "_"))[0])
+    assert not lut, sorted(lut)  # every linear weight of the program has its transformers counterpart
+    same.load_state_dict(state)
+    drafter, host = _open(drafter4, bundle16)
+    exact = 0
+    for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host, assistant=same):
+        # Measured: carry within 1.6 % of its largest value (fp32 executor: 1.1 %, the inputs' fp16 rounding
+        # through the 4-bit weights), logits within 0.15; the argmax differs once, where transformers' top two
+        # are 0.025 apart
+        assert np.abs(carry - ref_carry).max() <= 0.03 * np.abs(ref_carry).max(), P
+        np.testing.assert_allclose(expand(proposal), logits, atol=0.25, err_msg=f"P={P}")
+        assert logits.max() - logits[proposal.argmax()] <= 0.25, P  # the same choice, or a near-tie
+        exact += proposal.argmax() == int(logits.argmax())
+    assert exact >= 2 * len(POSITIONS) - 1
+    control = next(bursts(drafter, oracle, host))  # against the unquantised drafter: far off
+    assert np.abs(control[2] - control[4]).max() > 0.1 * np.abs(control[4]).max()
+
+
+# -- convert --assistant --------------------------------------------------------------------------------------
+
+
+def test_convert_writes_the_package_sidecars_manifest_and_config(bundle16, pair, plan):
+    config = read_model_config(bundle16)
+    assert config["assistant"] == {
+        "draft_tokens": K,
+        "hidden_size": 32,
+        "backbone_hidden_size": H,
+        "num_centroids": 32,
+        "centroid_top_k": 4,
+        "producers": {SLIDING: 8, FULL: 9},
+    }
+    package = Package.open(bundle16 / "assistant.mlpackage")
+    assert package.function_names == ["draft"] and package.default_function == "draft"
+    io = package.interface("draft")
+    assert io["states"] == {} and list(io["outputs"]) == ["carry_out", "centroid_scores", "hidden_out"]
+    chunk2 = Package.open(bundle16 / "chunk_2.mlpackage").interface("infer")["outputs"]
+    for name in ("kv8_k", "kv8_v", "kv9_k", "kv9_v"):  # exactly what chunk_2 returns
+        assert io["inputs"][name] == chunk2[name], name
+    assert io["inputs"]["causal_mask_sliding"]["shape"] == [1, 1, 1, 48]
+    manifest = json.loads((bundle16 / "manifest.json").read_text())
+    assert manifest["assistant"]["functions"]["draft"] == {k: io[k] for k in ("inputs", "outputs")}
+    assert manifest["options"]["assistant"] == str(pair[1]) and manifest["options"]["draft_tokens"] == K
+    assert manifest["plan"]["draft_tokens"] == K and "verify_b4" in manifest["plan"]["chunks"][0]["functions"]
+    for f in ("assistant_embed_q8.bin", "assistant_embed_scales.bin", "assistant_token_ordering.bin"):
+        assert f in manifest["files"], f
+    assert any(f.startswith("assistant.mlpackage/") for f in manifest["files"])
+    # the sidecars: the drafter's embedding as int8 rows in cluster order, row j = token ordering[j]
+    w = load_file(pair[1] / "model.safetensors")
+    order = np.fromfile(bundle16 / "assistant_token_ordering.bin", "<i4")
+    assert np.array_equal(order, w["masked_embedding.token_ordering"])
+    q, scales = quantize_rows(w["model.embed_tokens.weight"][order])
+    assert np.array_equal(np.fromfile(bundle16 / "assistant_embed_q8.bin", np.int8).reshape(V, 32), q)
+    assert np.array_equal(np.fromfile(bundle16 / "assistant_embed_scales.bin", "<f2"), scales)
+    assert "drafts checked per `verify_b4` call" in (bundle16 / "README.md").read_text()
+    assert check_bundle(bundle16) == []
+
+
+def test_check_reports_a_missing_assistant_package_or_sidecar(bundle16, tmp_path):
+    root = tmp_path / "b"
+    shutil.copytree(bundle16, root)
+    (root / "manifest.json").unlink()  # what model_config.json implies, not what a manifest lists
+    shutil.rmtree(root / "assistant.mlpackage")
+    (root / "assistant_token_ordering.bin").unlink()
+    assert check_bundle(root, sha256=False) == [
+        f"{root / 'assistant.mlpackage'}: missing",
+        f"{root / 'assistant_token_ordering.bin'}: missing",
+    ]
+    config = read_model_config(root)
+    with pytest.raises(BundleError, match=r"assistant.mlpackage: missing \(model_config.json states an assistant"):
+        open_drafter(root, "mil", "fp16", "cpu_and_ne", load_host(root, config), config)
+    del config["assistant"]
+    assert open_drafter(root, "mil", "fp16", "cpu_and_ne", None, config) is None
+
+
+def _model_config(tmp_path, **assistant):
+    entry = {"draft_tokens": 3, "hidden_size": 32, "backbone_hidden_size": H, "num_centroids": 32}
+    entry.update(centroid_top_k=4, producers={SLIDING: 8, FULL: 9})
+    config = dict(vocab_size=V, hidden_size=H, num_hidden_layers=15, per_layer_dim=16, embed_scale=8.0)
+    config.update(per_layer_embed_scale=4.0, sliding_window=W, assistant={**entry, **assistant})
+    (tmp_path / "model_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (dict(draft_tokens=0), "assistant.draft_tokens=0: expected an integer in [1, 31]"),
+        (dict(draft_tokens=32), "assistant.draft_tokens=32"),
+        (dict(backbone_hidden_size=48), "assistant.backbone_hidden_size=48: expected the hidden_size"),
+        (dict(num_centroids=24), "assistant.num_centroids=24: expected 0 (a plain head) or a divisor of vocab_size"),
+        (dict(centroid_top_k=33), "assistant.centroid_top_k=33"),
+        (dict(num_centroids=0), "assistant.centroid_top_k=4"),  # a plain head scores every token
+        (dict(producers={SLIDING: 8}), "assistant.producers={'sliding_attention': 8}"),
+        (dict(producers={SLIDING: 15, FULL: 9}), "assistant.producers="),
+        (dict(hidden_size=None), "assistant.hidden_size=None: expected a positive integer"),
+    ],
+)
+def test_a_bad_assistant_entry_is_refused_in_one_line(tmp_path, edit, needle):
+    with pytest.raises(BundleError) as e:
+        read_model_config(_model_config(tmp_path, **edit))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_good_assistant_entry_reads_back(tmp_path):
+    assert read_model_config(_model_config(tmp_path))["assistant"]["producers"] == {SLIDING: 8, FULL: 9}
+    config = json.loads((tmp_path / "model_config.json").read_text())
+    del config["sliding_window"]
+    (tmp_path / "model_config.json").write_text(json.dumps(config))
+    with pytest.raises(BundleError, match="sliding_window: missing"):
+        read_model_config(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def gqa_assistant(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gqa")
+    write_tiny(d / "ckpt", preset="gqa-mini", assistant=d / "asst")
+    return d / "asst"
+
+
+def _damaged(pair, tmp_path):
+    """The drafter without one of its tensors."""
+    bad = tmp_path / "damaged"
+    shutil.copytree(pair[1], bad)
+    w = load_file(bad / "model.safetensors")
+    del w["model.layers.2.self_attn.q_proj.weight"]
+    save_file(w, bad / "model.safetensors")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "case, needles",
+    [
+        ("gqa", ["backbone_hidden_size=48: the target's is 64"]),
+        ("damaged", ["tensor model.layers.2.self_attn.q_proj.weight missing"]),
+        ("nowhere", ["--assistant:", "no such file or directory"]),
+        ("published", ["--assistant: the published layout has no drafter"]),
+        ("k0", ["--draft-tokens 0: choose 1 to 31"]),
+        ("k32", ["--draft-tokens 32: choose 1 to 31"]),
+    ],
+)
+def test_a_bad_assistant_is_refused_in_one_line_with_nothing_written(
+    pair, gqa_assistant, tmp_path, capsys, case, needles
+):
+    assistant = {
+        "gqa": gqa_assistant,
+        "damaged": _damaged(pair, tmp_path) if case == "damaged" else None,
+        "nowhere": tmp_path / "nowhere",
+    }.get(case, pair[1])
+    extra = {"published": ["--layout", "published"], "k0": ["--draft-tokens", "0"], "k32": ["--draft-tokens", "32"]}
+    out = tmp_path / "out"
+    argv = ["convert", str(pair[0]), str(out), "--assistant", str(assistant), "--context", str(CONTEXT), "--quiet"]
+    assert main([*argv, *extra.get(case, [])]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("gemma-ane convert: error: "), err
+    for needle in needles:
+        assert needle in err[0], (needle, err[0])
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] in ([], ["damaged"])
+
+
+# -- Core ML -------------------------------------------------------------------------------------------------
+
+
+def test_core_ml_loads_the_drafter_on_first_use_or_says_it_cannot(bundle16, oracle, tmp_path):
+    """A device whose Neural Engine refuses `draft` raises FunctionUnavailable at load (the runtime then decodes
+    without drafts); on the CPU it runs, and proposes what the executor does."""
+    from coreml_standin import install
+    from coremltools.models.utils import compile_model
+
+    mil, host = _open(bundle16)
+    P, token, carry = 30, oracle.ids[30], oracle.normed[29].numpy()
+    kv = caches(oracle, P, 48)
+    want, want_carry = mil.step(token, carry, P, kv)
+    with install(refuse={"draft"}) as standin:
+        refused, _ = _open(bundle16, backend="coreml")
+        assert standin.loads == []  # nothing is loaded before it is asked for
+        with pytest.warns(RuntimeWarning), pytest.raises(FunctionUnavailable, match=r"assistant: 'draft' cannot be"):
+            refused.load()
+        cpu, _ = _open(bundle16, backend="coreml", compute_units="cpu_only")
+        cpu.load()
+        got = cpu.step(token, carry, P, kv)
+        # compiled: the interface comes from manifest.json, which states the package's
+        root = tmp_path / "compiled"
+        shutil.copytree(bundle16, root)
+        compile_model(str(root / "assistant.mlpackage"), str(root / "assistant.mlmodelc"))
+        shutil.rmtree(root / "assistant.mlpackage")
+        compiled, _ = _open(root, backend="coreml", compute_units="cpu_only")
+        compiled_got = compiled.step(token, carry, P, kv)
+        (root / "manifest.json").unlink()
+        with pytest.raises(BundleError, match="compiled, and manifest.json states no interface for its 'draft'"):
+            _open(root, backend="coreml")
+    for proposal, c in (got, compiled_got):
+        np.testing.assert_array_equal(proposal.ids, want.ids)
+        np.testing.assert_array_equal(proposal.logits, want.logits)
+        np.testing.assert_array_equal(c, want_carry)
+
+
+# -- the runtime with drafts, against transformers' assisted decoding ----------------------------------------------
+
+
+def test_drafted_greedy_equals_transformers_assisted_generate(bundle16, pair):
+    """The bundle's runtime with its converted drafter, 3 drafts a verify call, against transformers' assisted
+    `generate` with the same drafter (whose greedy output is the target's plain greedy output): 40 new tokens
+    after a 14-token prompt, across the window three times and the ring once (positions 0-53 of a ring of 48)."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    import gemma_ane
+
+    model = gemma_ane.load(bundle16, backend="mil")
+    prompt = "the cat sat on the mat and then"
+    r = model.generate(prompt, raw=True, temperature=0, max_tokens=40, repetition_penalty=2.0, draft_tokens=K)
+    ids = model.prompt_ids(prompt, raw=True)
+    tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
+    from gemma_ane.verify import oracle_model
+
+    target = oracle_model(Checkpoint(pair[0]), tables)
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(pair[1]).eval()
+    with torch.no_grad():
+        ref = target.generate(
+            torch.tensor([ids]),
+            assistant_model=assistant,
+            max_new_tokens=len(r.tokens),
+            do_sample=False,
+            repetition_penalty=2.0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
+    plain = model.generate(prompt, raw=True, temperature=0, max_tokens=40, repetition_penalty=2.0)
+    assert plain.tokens == r.tokens and plain.tokens_per_verify == 0.0 and r.tokens_per_verify >= 1.0
+    assert r.finish_reason == "length" and len(ids) + len(r.tokens) > 3 * W + 5
+    assert r.tokens == ref
