@@ -103,6 +103,8 @@ def _batches(text):
 def cmd_convert(a):
     from .convert import ConvertOptions, StageTimer, convert
 
+    if a.draft_tokens is not None and not a.assistant:
+        raise ValueError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
     opts = ConvertOptions(
         context=a.context,
         bits=a.bits,
@@ -114,7 +116,7 @@ def cmd_convert(a):
         layout=a.layout,
         kv_prefill_batches=_batches(a.kv_prefill_batches),
         assistant=a.assistant,
-        draft_tokens=a.draft_tokens,
+        draft_tokens=3 if a.draft_tokens is None else a.draft_tokens,
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -441,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--draft-tokens",
         type=int,
-        default=3,
+        default=None,
         metavar="K",
         help="with --assistant: drafts checked per verify call (verify_b{K+1} functions; default 3)",
     )

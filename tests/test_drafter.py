@@ -556,3 +556,23 @@ def test_drafted_greedy_equals_transformers_assisted_generate(bundle16, pair):
     assert plain.tokens == r.tokens and plain.tokens_per_verify == 0.0 and r.tokens_per_verify >= 1.0
     assert r.finish_reason == "length" and len(ids) + len(r.tokens) > 3 * W + 5
     assert r.tokens == ref
+
+
+def test_the_command_line_drafts_and_reports_it(bundle16, capsys):
+    argv = ["generate", str(bundle16), "-p", "the cat sat", "--raw", "--temperature", "0", "--max-tokens", "12"]
+    assert main([*argv, "--backend", "mil", "--draft", str(K)]) == 0
+    drafted = capsys.readouterr()
+    assert re.search(r"\| drafts: \d+% accepted, \d\.\d\d tokens a verify call \|", drafted.err), drafted.err
+    assert main([*argv, "--backend", "mil"]) == 0
+    plain = capsys.readouterr()
+    assert plain.out == drafted.out and "drafts:" not in plain.err
+    assert main([*argv, "--backend", "mil", "--draft", str(K + 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemma-ane generate: error: draft_tokens={K + 1}: this bundle verifies at most {K} drafts a call"]
+
+
+def test_draft_options_without_a_drafter_are_refused_in_one_line(pair, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["convert", str(pair[0]), str(out), "--draft-tokens", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--draft-tokens: needs --assistant" in err[0] and not out.exists()
