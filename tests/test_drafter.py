@@ -7,6 +7,8 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -576,3 +578,30 @@ def test_draft_options_without_a_drafter_are_refused_in_one_line(pair, tmp_path,
     assert main(["convert", str(pair[0]), str(out), "--draft-tokens", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--draft-tokens: needs --assistant" in err[0] and not out.exists()
+
+
+def test_the_server_drafts_for_every_request(bundle16, monkeypatch):
+    """`serve --draft K` (a startup option): every completion decodes with drafts, answers as without them."""
+    from starlette.testclient import TestClient
+
+    import gemma_ane
+    from gemma_ane.server import build_app
+
+    model = gemma_ane.load(bundle16, backend="mil")
+    body = {"model": "m", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 10, "temperature": 0}
+    answers, steps = [], []
+    verify = model.engine.verify
+    monkeypatch.setattr(model.engine, "verify", lambda ids: steps.append(len(ids)) or verify(ids))
+    for k in (0, K):
+        model.use_drafts(k)
+        with TestClient(build_app(model, model_name="m")) as http:
+            answers.append(http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] and steps and set(steps) == {K + 1}
+    r = subprocess.run(
+        [sys.executable, "-m", "gemma_ane.server", str(bundle16), "--backend", "mil", "--draft", str(K + 1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"draft_tokens={K + 1}: this bundle verifies at most {K} drafts a call" in r.stderr
