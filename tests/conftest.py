@@ -59,6 +59,15 @@ def tiny_e2b(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """e2b-mini (tiny_e2b's weights) and its matched drafter, as `gemma-ane tiny CKPT --assistant ASST` writes them."""
+    from gemma_ane.tiny import write_tiny
+
+    d = built_once(tmp_path_factory, "pair", lambda d: write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst"))
+    return d / "ckpt", d / "asst"
+
+
+@pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "gqa", preset="gqa-mini")
 

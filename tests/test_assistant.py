@@ -14,18 +14,11 @@ from safetensors.numpy import load_file
 
 from gemma_ane.cli import main
 from gemma_ane.spec import AssistantSpec, ConfigError, ModelSpec
-from gemma_ane.tiny import assistant_config, build_assistant, build_model, text_config, write_tiny
+from gemma_ane.tiny import assistant_config, build_assistant, build_model, text_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 W, H = 16, 64  # e2b-mini's window and hidden size
 PROMPT, NEW = 24, 56  # 80 positions: the window five times over
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
-    return d / "ckpt", d / "asst"
 
 
 @pytest.fixture(scope="module")

@@ -44,13 +44,6 @@ POSITIONS = (1, 9, 17, 30, 50, 60)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
-    return d / "ckpt", d / "asst"
-
-
-@pytest.fixture(scope="module")
 def plan(pair):
     return ChunkPlan.build(ModelSpec.from_pretrained(pair[0]), CONTEXT, 8, draft_tokens=K)
 
