@@ -249,6 +249,7 @@ class Model:
         if choice == "none":
             params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
         constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
+        drafts = self._drafts(draft_tokens, constraint)
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
@@ -262,8 +263,7 @@ class Model:
             else self.turn_ends(_conversation(prompt, messages, system), ids, enable_thinking, tools)
         )
         reused, logits = self.engine.prompt(ids, marks)
-        sampler = Sampler(params, history=ids)
-        drafts, spec = self._drafts(draft_tokens, constraint), _Speculation()
+        sampler, spec = Sampler(params, history=ids), _Speculation()
         steps = (
             self._speculate(logits, sampler, drafts, max_tokens, spec)
             if drafts
