@@ -1,0 +1,431 @@
+"""Gemma 4's vision tower as one stateless Core ML function, `encode` (PyTorch): the patch embedder, the encoder,
+k x k pooling and the projection into the text model's embedding space, i.e. transformers'
+`Gemma4Model.get_image_features` for one image at a fixed soft-token budget. Module and parameter names follow the
+checkpoint (`model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight`), so loading is a state_dict copy.
+
+Shaped for the ANE as the chunks are (graph.py): batch 1, static shapes (budget * k^2 patches, padded, so one
+compiled model serves every aspect ratio), every projection an nn.Linear, RMSNorm safe in fp16. Everything that
+depends on where a patch lies arrives as an input computed by the host (`encoder_inputs`), as the chunks get their
+RoPE rows and masks:
+- the learned position embeddings are a lookup in a table of 2 x 10,240 rows: a gather, which the ANE does badly
+  (int32 indices, a 15.7M-value table), or a one-hot matmul (3 GMAC and a (patches, rows) one-hot per axis). The
+  host reads the rows instead, from a sidecar holding only the rows a budget can reach (budget * k per axis);
+- the axial RoPE rows and the padding mask, from the positions;
+- pooling: the host orders the patches cell by cell (each k x k cell's patches consecutive, cells row by row), so
+  pooling is a reshape and a mean, with no position arithmetic in the graph. Attention does not care about the
+  order of its tokens, and the cells come out in transformers' order; padding fills the cells after the image's.
+The output holds the soft tokens first, then one row per padding cell, which the host drops.
+
+Image soft tokens replace the image placeholders' embeddings as they are: NOT multiplied by sqrt(hidden_size) as
+token embeddings are (Gemma4Model.forward's masked_scatter).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import Checkpoint, CheckpointError
+from .convert import (
+    ConvertError,
+    ConvertOptions,
+    _quiet_coremltools,
+    _save_npy,
+    _temp_files_in,
+    compile_package,
+    finish_function,
+    merge_functions,
+    trace_function,
+)
+from .graph import RMSNorm
+from .host import MASK_BLOCKED
+from .images import SOFT_TOKEN_BUDGETS, Patches
+from .spec import Chunk, Tensor
+
+FUNCTION = "encode"
+TABLE_FILE = "vision_position_embeddings.npy"  # (2, budget * k, hidden) fp16: x rows, then y rows
+BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # Gemma4ClippableLinear's buffers
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the graph needs of config.json's `vision_config` (and the text width it projects into)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    clipped: bool  # use_clipped_linears: each encoder projection clamps its input and output
+    rope_theta: float
+    rms_norm_eps: float
+    text_hidden_size: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> VisionSpec | None:
+        """From a multimodal config.json (None without a vision tower); refuses, naming the field, what the graph
+        cannot express."""
+        v = config.get("vision_config")
+        if not v:
+            return None
+        try:
+            spec = cls(
+                hidden_size=v["hidden_size"],
+                intermediate_size=v["intermediate_size"],
+                num_layers=v["num_hidden_layers"],
+                num_heads=v["num_attention_heads"],
+                head_dim=v["head_dim"],
+                patch_size=v["patch_size"],
+                pooling_kernel_size=v["pooling_kernel_size"],
+                position_embedding_size=v["position_embedding_size"],
+                clipped=bool(v.get("use_clipped_linears", False)),
+                rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 100.0)),
+                rms_norm_eps=v["rms_norm_eps"],
+                text_hidden_size=config["text_config"]["hidden_size"],
+            )
+        except KeyError as e:
+            raise ConvertError(f"config.json: vision_config has no {e.args[0]}") from None
+        refuse = {
+            "num_key_value_heads": v.get("num_key_value_heads", spec.num_heads) != spec.num_heads,
+            "standardize": bool(v.get("standardize")),
+            "hidden_activation": v.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+            "head_dim": spec.head_dim % 4 != 0,  # axial RoPE: two halves, each rotated half against half
+        }
+        for field, bad in refuse.items():
+            if bad:
+                raise ConvertError(f"config.json: vision_config.{field} = {v.get(field)!r} is not supported")
+        return spec
+
+    def max_position(self, image_tokens: int) -> int:
+        """Patches per side an image can have at this budget: a side is at most `image_tokens` pooling cells."""
+        return image_tokens * self.pooling_kernel_size
+
+
+def read_spec(root: str | Path) -> VisionSpec | None:
+    return VisionSpec.from_config(json.loads((Path(root) / "config.json").read_text()))
+
+
+# -- the host's inputs (numpy) --------------------------------------------------------------------------------
+
+
+def encoder_inputs(patches: Patches, table: np.ndarray, head_dim: int, rope_theta: float, k: int) -> dict:
+    """`encode`'s inputs for one image (images.preprocess's Patches), in cell order (module doc); `table` is the
+    (2, rows, hidden) position table, x rows then y rows. Numpy only: this is the runtime's half."""
+    rows, cols = patches.grid
+    n = rows * cols
+    x, y = patches.positions[:n, 0], patches.positions[:n, 1]
+    cell = (y // k) * (cols // k) + x // k  # transformers' pooled index: cells row by row
+    order = np.concatenate([np.argsort(cell, kind="stable"), np.arange(n, len(patches.positions))])
+    pos = patches.positions[order]
+    valid = pos[:, 0] >= 0
+    xy = np.maximum(pos, 0)
+    emb = (table[0][xy[:, 0]].astype(np.float32) + table[1][xy[:, 1]]) * valid[:, None]
+    # axial RoPE (Gemma4VisionRotaryEmbedding): the first half of a head rotates by x, the second by y
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
+    f = pos[:, :, None].astype(np.float32) * inv_freq  # (N, 2, head_dim / 4), in fp32 as transformers
+    angle = np.concatenate([f[:, 0], f[:, 0], f[:, 1], f[:, 1]], axis=-1)
+    return {
+        "pixel_values": patches.pixel_values[order][None],
+        "position_embeddings": emb[None],
+        "cos": np.cos(angle).T[None, None],  # (1, 1, head_dim, N): heads are laid out (1, heads, D, N)
+        "sin": np.sin(angle).T[None, None],
+        "attention_mask": np.where(valid, 0, MASK_BLOCKED).astype(np.float16)[None, None, None],
+    }
+
+
+# -- the model --------------------------------------------------------------------------------------------------
+
+
+def _clip(x, lo, hi):
+    """Clamp by the finite bounds only (an infinite one would be an inf constant in the fp16 program); one MIL
+    `clip` when both are finite."""
+    if lo is not None and hi is not None:
+        return x.clamp(lo, hi)
+    x = x if lo is None else x.clamp_min(lo)
+    return x if hi is None else x.clamp_max(hi)
+
+
+class ClippableLinear(nn.Module):
+    """transformers' Gemma4ClippableLinear: clamp the input, project, clamp the output. The bounds are checkpoint
+    scalars, turned into Python numbers at load (`bounds`) so that tracing bakes them in as constants."""
+
+    def __init__(self, fan_in: int, fan_out: int, clipped: bool):
+        super().__init__()
+        self.linear = nn.Linear(fan_in, fan_out, bias=False)
+        for name in BOUNDS if clipped else ():
+            self.register_buffer(name, torch.zeros(()))
+        self.bounds = (None,) * 4
+
+    def freeze_bounds(self) -> None:
+        """A bound beyond fp16's range (transformers initialises them to +-inf) clamps nothing an fp16 program
+        holds: it is left out."""
+        if hasattr(self, BOUNDS[0]):
+            self.bounds = tuple(None if abs(v) >= 65504 else v for v in (float(getattr(self, n)) for n in BOUNDS))
+
+    def forward(self, x):
+        lo, hi, out_lo, out_hi = self.bounds
+        return _clip(self.linear(_clip(x, lo, hi)), out_lo, out_hi)
+
+
+def quarter_rotation(D: int) -> torch.Tensor:
+    """P with P @ x = [-b; a; -d; c] for a head x = [a; b; c; d] (quarters, along axis -2): rotate_half within each
+    half. A matmul rather than slices and a concat: at E2B's head dim 64 a quarter is 16 values; P @ x is exact
+    (one signed term per output)."""
+    q, eye = D // 4, torch.eye(D // 4)
+    P = torch.zeros(D, D)
+    P[:q, q : 2 * q], P[q : 2 * q, :q], P[2 * q : 3 * q, 3 * q :], P[3 * q :, 2 * q : 3 * q] = -eye, eye, -eye, eye
+    return P
+
+
+def axial_rope(x, cos, sin, rotation):
+    """Gemma 4's 2-D RoPE on heads laid out (1, heads, D, N): the first half of the head dim rotates by the x
+    position, the second by y (the host's cos/sin columns hold both), each as rotate_half."""
+    return x * cos + torch.matmul(rotation, x) * sin
+
+
+class HeadNorm(RMSNorm):
+    """graph.RMSNorm (same math, same names) over axis -2, the head dim of a (1, heads, D, N) layout: its
+    statistics are then (1, heads, 1, N) rather than (1, heads, N, 1), whose singleton last axis the ANE pads 32x
+    (audit.py's last-axis rule; 12 x 2520 values per norm at E2B's budget)."""
+
+    def forward(self, x):
+        m = x.abs().amax(-2, keepdim=True).clamp_min(1e-4)
+        y = x / m
+        r = self.sqrt_eps / m
+        y = y * torch.rsqrt((y * y).mean(-2, keepdim=True) + r * r)
+        return y * self.weight[:, None] if self.weight is not None else y
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, s: VisionSpec):
+        super().__init__()
+        H, nh, D = s.hidden_size, s.num_heads, s.head_dim
+        self.num_heads, self.head_dim = nh, D
+        self.q_proj = ClippableLinear(H, nh * D, s.clipped)
+        self.k_proj = ClippableLinear(H, nh * D, s.clipped)
+        self.v_proj = ClippableLinear(H, nh * D, s.clipped)
+        self.o_proj = ClippableLinear(nh * D, H, s.clipped)
+        self.q_norm = HeadNorm(D, s.rms_norm_eps)
+        self.k_norm = HeadNorm(D, s.rms_norm_eps)
+        self.v_norm = HeadNorm(D, s.rms_norm_eps, with_scale=False)
+        self.register_buffer("rotation", quarter_rotation(D), persistent=False)
+
+    def forward(self, x, cos, sin, mask):
+        """x (1, N, H); cos, sin (1, 1, D, N); mask (1, 1, 1, N) additive, blocking the padding patches."""
+        N, nh, D = x.shape[1], self.num_heads, self.head_dim
+
+        def heads(proj):  # (1, heads, D, N): see HeadNorm
+            return proj(x).view(1, N, nh, D).permute(0, 2, 3, 1)
+
+        q = axial_rope(self.q_norm(heads(self.q_proj)), cos, sin, self.rotation)
+        k = axial_rope(self.k_norm(heads(self.k_proj)), cos, sin, self.rotation)
+        v = self.v_norm(heads(self.v_proj))
+        scores = torch.matmul(q.transpose(2, 3), k) + mask  # bidirectional; attention scale 1.0 (q, k normed)
+        attn = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(2, 3))  # (1, heads, N, D)
+        return self.o_proj(attn.transpose(1, 2).reshape(1, N, nh * D))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, s: VisionSpec):
+        super().__init__()
+        self.gate_proj = ClippableLinear(s.hidden_size, s.intermediate_size, s.clipped)
+        self.up_proj = ClippableLinear(s.hidden_size, s.intermediate_size, s.clipped)
+        self.down_proj = ClippableLinear(s.intermediate_size, s.hidden_size, s.clipped)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, s: VisionSpec):
+        super().__init__()
+        H, eps = s.hidden_size, s.rms_norm_eps
+        self.self_attn = VisionAttention(s)
+        self.mlp = VisionMLP(s)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def encode_io(spec: VisionSpec, image_tokens: int) -> Chunk:
+    """The package described as a chunk (what convert.trace_function reads): one stateless function `encode`."""
+    N, D = image_tokens * spec.pooling_kernel_size**2, spec.head_dim
+    ins = {
+        "pixel_values": Tensor((1, N, 3 * spec.patch_size**2)),
+        "position_embeddings": Tensor((1, N, spec.hidden_size)),
+        "cos": Tensor((1, 1, D, N)),
+        "sin": Tensor((1, 1, D, N)),
+        "attention_mask": Tensor((1, 1, 1, N)),
+    }
+    outs = {"image_embeds": Tensor((1, image_tokens, spec.text_hidden_size))}
+    return Chunk("vision", (), False, (), (), {}, {FUNCTION: {"T": N, "inputs": ins, "outputs": outs}}, False, False)
+
+
+class VisionModel(nn.Module):
+    """`forward(*inputs)` takes encode_io's inputs in order and returns (image_embeds,) for `image_tokens` cells."""
+
+    def __init__(self, spec: VisionSpec, image_tokens: int = 280):
+        super().__init__()
+        self.spec, self.image_tokens = spec, image_tokens
+        self.chunk = encode_io(spec, image_tokens)
+        self.vision_tower = nn.Module()
+        self.vision_tower.patch_embedder = nn.Module()  # its position table is the host's (module doc)
+        self.vision_tower.patch_embedder.input_proj = nn.Linear(3 * spec.patch_size**2, spec.hidden_size, bias=False)
+        self.vision_tower.encoder = nn.Module()
+        self.vision_tower.encoder.layers = nn.ModuleList(EncoderLayer(spec) for _ in range(spec.num_layers))
+        self.embed_vision = nn.Module()
+        # transformers' pooler scales by sqrt(hidden) before this weightless norm: folded into its epsilon,
+        # norm(s y) = norm_{eps/s^2}(y), because s y can pass fp16's range where y does not
+        self.embed_vision.embedding_pre_projection_norm = RMSNorm(
+            spec.hidden_size, spec.rms_norm_eps / spec.hidden_size, with_scale=False
+        )
+        self.embed_vision.embedding_projection = nn.Linear(spec.hidden_size, spec.text_hidden_size, bias=False)
+        self.use_function(FUNCTION)
+
+    def use_function(self, function: str) -> None:  # one function; convert.trace_function asks for it by name
+        self.input_names = list(self.chunk.functions[function]["inputs"])
+
+    def forward(self, *inputs):
+        x = dict(zip(self.input_names, inputs))
+        k2, tower = self.spec.pooling_kernel_size**2, self.vision_tower
+        h = tower.patch_embedder.input_proj(2 * (x["pixel_values"] - 0.5)) + x["position_embeddings"]
+        for layer in tower.encoder.layers:
+            h = layer(h, x["cos"], x["sin"], x["attention_mask"])
+        pooled = h.view(1, self.image_tokens, k2, self.spec.hidden_size).mean(2)  # a cell's patches are consecutive
+        embed = self.embed_vision
+        return (embed.embedding_projection(embed.embedding_pre_projection_norm(pooled)),)
+
+
+# -- the checkpoint ---------------------------------------------------------------------------------------------
+
+
+def open_vision(root: str | Path, image_tokens: int) -> tuple[VisionSpec, Checkpoint]:
+    """The vision spec and the checkpoint (names from the top: `model.vision_tower.*`), with the budget checked."""
+    if image_tokens not in SOFT_TOKEN_BUDGETS:
+        raise ConvertError(f"--image-tokens {image_tokens}: choose one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}")
+    try:
+        spec = read_spec(root)
+        ckpt = Checkpoint(root) if spec else None
+    except (OSError, ValueError) as e:  # ValueError: a bad config.json, CheckpointError, ConfigError
+        raise ConvertError(str(e).splitlines()[0]) from None
+    if spec is None:
+        raise ConvertError(f"{root}: config.json has no vision_config (no vision tower to convert)")
+    ckpt.prefix = ""
+    need = spec.max_position(image_tokens)
+    if need > spec.position_embedding_size:
+        ckpt.close()
+        raise ConvertError(
+            f"--image-tokens {image_tokens}: an image can be {need} patches wide, but the position table has "
+            f"{spec.position_embedding_size} rows"
+        )
+    return spec, ckpt
+
+
+def _tensor(ckpt: Checkpoint, name: str, shape: tuple, fp16_range: bool) -> np.ndarray:
+    try:
+        found = ckpt.shape_of(name) if name in ckpt else None
+        if found != tuple(shape):
+            raise ConvertError(f"{ckpt.root}: tensor {name} " + ("missing" if found is None else f"has shape {found}"))
+        w = np.asarray(ckpt[name], np.float32)  # a bf16 scalar comes back as a numpy scalar
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if name.endswith(BOUNDS):  # any value: ClippableLinear.freeze_bounds leaves out those beyond fp16
+        return w
+    if not np.isfinite(w).all() or (fp16_range and np.abs(w).max() > 65504):
+        raise ConvertError(f"{ckpt.root}: {name}: values beyond the float16 range")
+    return w
+
+
+def load_vision(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int = 280, dtype=torch.float32, fp16_range=False):
+    """A VisionModel filled from the checkpoint: laid out on the meta device, then each tensor copied in."""
+    with torch.device("meta"):
+        model = VisionModel(spec, image_tokens)
+    model = model.to(dtype).to_empty(device="cpu")
+    with torch.no_grad():
+        for name, value in model.state_dict().items():  # these share the parameters' storage
+            value.copy_(torch.from_numpy(_tensor(ckpt, "model." + name, value.shape, fp16_range)))
+        for m in model.modules():  # non-persistent buffers are not in the checkpoint
+            if isinstance(m, RMSNorm):
+                m.sqrt_eps.fill_(m.eps**0.5)
+            elif isinstance(m, VisionAttention):
+                m.rotation.copy_(quarter_rotation(m.head_dim))
+            elif isinstance(m, ClippableLinear):
+                m.freeze_bounds()
+    return model.eval()
+
+
+def position_table(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int) -> np.ndarray:
+    """The rows of the position table this budget can reach, as the host's sidecar holds them (fp16)."""
+    name = "model.vision_tower.patch_embedder.position_embedding_table"
+    table = _tensor(ckpt, name, (2, spec.position_embedding_size, spec.hidden_size), fp16_range=True)
+    return table[:, : spec.max_position(image_tokens)].astype(np.float16)
+
+
+def config_entry(spec: VisionSpec, image_tokens: int) -> dict:
+    """model_config.json's `vision`: what the host needs to preprocess an image and build `encode`'s inputs."""
+    return {
+        "image_tokens": image_tokens,
+        "patch_size": spec.patch_size,
+        "pooling_kernel_size": spec.pooling_kernel_size,
+        "head_dim": spec.head_dim,
+        "rope_theta": spec.rope_theta,
+        "position_table": TABLE_FILE,
+    }
+
+
+# -- conversion -------------------------------------------------------------------------------------------------
+
+
+def convert_vision(
+    ckpt_root: str | Path,
+    options: ConvertOptions,
+    out_dir: Path,
+    timer,
+    image_tokens: int = 280,
+    compile_: bool = False,
+) -> Path:
+    """OUT/vision.mlpackage (function `encode`, fp16 compute, palettized at options.bits) and its position-table
+    sidecar; returns the package's path (the .mlmodelc with compile_)."""
+    out = Path(out_dir)
+    with timer("load"):
+        spec, ckpt = open_vision(ckpt_root, image_tokens)
+    try:
+        with timer("load"):
+            model = load_vision(ckpt, spec, image_tokens, fp16_range=True)
+        with timer("sidecars"):
+            _save_npy(out / TABLE_FILE, position_table(ckpt, spec, image_tokens))
+    finally:
+        ckpt.close()
+    work = out / ".work"
+    work.mkdir(exist_ok=True)
+    path, skipped = work / f"vision.{FUNCTION}.mlpackage", set()
+    prog = trace_function(model, model.chunk, FUNCTION, timer)
+    del model
+    finish_function(prog, options, {}, timer, skipped, path)
+    if skipped:
+        print(f"note: {len(skipped)} weight(s) of the vision model stay fp16 (e.g. {sorted(skipped)[0]})")
+    final = out / "vision.mlpackage"
+    with timer("merge"), _quiet_coremltools(), _temp_files_in(work):
+        merge_functions({FUNCTION: path}, final, default=FUNCTION)  # names the function `encode`
+    shutil.rmtree(work)
+    if not compile_:
+        return final
+    with timer("compile"):
+        compile_package(final, out / "vision.mlmodelc")
+        shutil.rmtree(final)
+    return out / "vision.mlmodelc"
