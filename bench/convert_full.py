@@ -3,6 +3,7 @@
     python bench/make_full_checkpoint.py /work/full/e2b-random
     python bench/convert_full.py /work/full/e2b-random /work/full/bundle4          # ~25 min on 2 cores
     python bench/convert_full.py CKPT OUT --quick                                 # tiny checkpoint, for CI
+    python bench/convert_full.py CKPT OUT --assistant DRAFTER                     # also the drafter, verify_b4
 
 Runs `gemma-ane convert CKPT OUT --bits 4 --stats ...` as a child process and records:
 - wall time per stage (load, trace, convert, palettize, merge, sidecars) and in total;
@@ -58,7 +59,7 @@ def tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
-def run_convert(ckpt: str, out: str, bits: int, stats: Path) -> tuple[float, int, int]:
+def run_convert(ckpt: str, out: str, bits: int, stats: Path, extra: list[str]) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes of the process tree, exit code)."""
     cmd = [
         sys.executable,
@@ -73,6 +74,7 @@ def run_convert(ckpt: str, out: str, bits: int, stats: Path) -> tuple[float, int
         "--quiet",
         "--stats",
         str(stats),
+        *extra,
     ]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -124,19 +126,24 @@ def main(argv=None):
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--assistant", metavar="DIR", help="also convert this drafter (gemma-ane convert --assistant)")
+    p.add_argument("--draft-tokens", type=int, metavar="K", help="with --assistant: verify_b{K+1} (default 3)")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint: skip the size comparison")
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         stats_path = Path(tmp) / "stats.json"
-        wall, tree_peak, rc = run_convert(a.ckpt, a.out, a.bits, stats_path)
+        extra = ["--assistant", a.assistant] if a.assistant else []
+        extra += ["--draft-tokens", str(a.draft_tokens)] if a.draft_tokens is not None else []
+        wall, tree_peak, rc = run_convert(a.ckpt, a.out, a.bits, stats_path, extra)
         if rc != 0:
             sys.exit(f"error: gemma-ane convert exited with {rc}")
         stats = json.loads(stats_path.read_text())
     peak = max(stats["peak_rss_bytes"].values(), default=0) or tree_peak
     minutes, peak_gib = wall / 60, peak / GiB
     lines = [
-        f"`gemma-ane convert {a.ckpt} OUT --bits {a.bits}`: **{minutes:.1f} min** wall, "
+        f"`gemma-ane convert {a.ckpt} OUT --bits {a.bits}{' ' + ' '.join(extra) if extra else ''}`: "
+        f"**{minutes:.1f} min** wall, "
         f"peak RSS **{peak_gib:.2f} GiB**",
         "",
         "| stage | seconds | share | peak RSS |",
@@ -166,6 +173,9 @@ def main(argv=None):
         lines += ["", "Sizes against the published 4-bit build (CONTRACT §2):", "", table]
         if misses:
             lines += ["", "Outside the bounds: " + ", ".join(misses)]
+    drafter = Path(a.out) / "assistant.mlpackage"
+    if not a.quick and drafter.exists():
+        lines += ["", f"- {drafter.name}: {tree_size(drafter) / 1e6:.1f} MB (no published build to compare with)"]
     publish("full-size conversion", "\n".join(lines), a)
 
 

@@ -8,7 +8,10 @@ model_config.json:
   bytes read at a few context lengths;
 - each prompt path, per prompt token: MACs and weight bytes;
 - decode tok/s upper bounds = ANE bandwidth / bytes per token, for measured ANE bandwidths, beside
-  the published figures.
+  the published figures;
+- with a drafter (`convert --assistant`): bytes and MACs per draft step (assistant.mlpackage's
+  `draft`) and per verify call (every chunk's `verify_b{K+1}`), and the tok/s bound of speculative
+  decoding for assumed acceptance rates and K = 1-4 drafts per step.
 
 Decode on the ANE is bandwidth-bound: each token streams every weight once, and at batch 1 the
 MACs per byte (~4 at 4 bits) sit far below what the ANE can compute per byte fetched. The KV
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +39,8 @@ PUBLISHED = [
     ("LiteRT-LM, iPhone 17 Pro, GPU", 56.0),
 ]
 CONTEXTS = (256, 1024, 2048)
+RATES = (0.3, 0.5, 0.7, 0.9)  # assumed per-draft acceptance: random weights give no real one
+DRAFTS = (1, 2, 3, 4)
 
 
 def inspect(bundle: str) -> dict:
@@ -47,33 +53,93 @@ def inspect(bundle: str) -> dict:
     return json.loads(out.stdout)
 
 
-def kv_bytes(config: dict, n: int, static: bool) -> int:
-    """KV bytes one decode token reads at context length n (fp16 K and V). KV-shared layers read
+def kv_bytes(config: dict, n: int, static: bool, ring: int) -> int:
+    """KV bytes one decode token reads at context length n (fp16 K and V); static programs read the
+    whole ring (`ring` slots: the window, padded in bundles with a drafter). KV-shared layers read
     their producer's cache again: the ANE keeps nothing across ops that large."""
     C, W = config["context_length"], config["sliding_window"]
     total = 0
     for t in config["layer_types"]:
         full = t == "full_attention"
         D = config["global_head_dim"] if full else config["head_dim"]
-        rows = (C if full else W) if static else (min(n, C) if full else min(n, W))
+        rows = (C if full else ring) if static else (min(n, C) if full else min(n, W))
         total += 2 * config["num_key_value_heads"] * rows * D * 2
     return total
 
 
 def model(report: dict, config: dict) -> dict:
     infer = [c["functions"]["infer"] for c in report["chunks"]]
+    ring = next(
+        (c["states"]["kv_cache_sliding"]["shape"][2] for c in report["chunks"] if "kv_cache_sliding" in c["states"]),
+        config["sliding_window"],
+    )
     decode = {"macs": sum(f["macs_per_token"] for f in infer), "weight_bytes": sum(f["weight_bytes"] for f in infer)}
-    decode["kv_static"] = {n: kv_bytes(config, n, True) for n in CONTEXTS}
-    decode["kv_ideal"] = {n: kv_bytes(config, n, False) for n in CONTEXTS}
-    return {"decode": decode, "prompt_paths": report["prompt_paths"]}
+    decode["kv_static"] = {n: kv_bytes(config, n, True, ring) for n in CONTEXTS}
+    decode["kv_ideal"] = {n: kv_bytes(config, n, False, ring) for n in CONTEXTS}
+    m = {"decode": decode, "prompt_paths": report["prompt_paths"]}
+    if "assistant" in report:
+        m["speculative"] = speculative(report, config, decode)
+    return m
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one speculative step emits when each of k drafts is accepted with probability a, independently,
+    until the first rejection, plus the target's own token: 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    return sum(a**i for i in range(k + 1))
+
+
+def speculative(report: dict, config: dict, decode: dict) -> dict:
+    """Bytes and MACs of a draft step and a verify call, and the tok/s bound per K and acceptance rate. A step
+    streams the drafter K times and the three chunks once, each with the caches it reads (static, as decode)."""
+    built = config["assistant"]["draft_tokens"]
+    name = f"verify_b{built + 1}"
+    verify = [c["functions"][name] for c in report["chunks"]]
+    draft = report["assistant"]["functions"]["draft"]
+    head = config["assistant"]
+    kv = decode["kv_static"][CONTEXTS[1]]
+    per_draft = {
+        "weight_bytes": draft["weight_bytes"],
+        # the producers' caches as chunk_2 returns them (fp16), each read once
+        "kv_bytes": sum(2 * math.prod(t["shape"]) for n, t in draft["inputs"].items() if n.startswith("kv")),
+        "macs": draft["macs_per_token"],
+        # the centroid head's best clusters dotted with the drafter's hidden state, on the host
+        "host_head_macs": head["centroid_top_k"] * config["vocab_size"] // head["num_centroids"] * head["hidden_size"]
+        if head["num_centroids"]
+        else 0,
+    }
+    per_verify = {
+        "function": name,
+        "weight_bytes": sum(f["weight_bytes"] for f in verify),
+        "kv_bytes": kv,
+        "macs_per_row": sum(f["macs_per_token"] for f in verify),
+    }
+    plain = decode["weight_bytes"] + kv
+    steps = {}
+    for k in DRAFTS:  # weights and caches are read once per call whatever its rows: only MACs grow with K
+        size = k * (per_draft["weight_bytes"] + per_draft["kv_bytes"]) + per_verify["weight_bytes"] + kv
+        tokens = {r: expected_tokens(r, k) for r in RATES}
+        steps[k] = {
+            "bytes": size,
+            "macs": k * per_draft["macs"] + (k + 1) * per_verify["macs_per_row"],
+            "tokens_per_step": tokens,
+            "bound": {dev: {r: t * bw * 1e9 / size for r, t in tokens.items()} for dev, bw in BANDWIDTH.items()},
+        }
+    return {
+        "built_draft_tokens": built,
+        "draft": per_draft,
+        "verify": per_verify,
+        "plain_bytes": plain,
+        "plain_bound": {dev: bw * 1e9 / plain for dev, bw in BANDWIDTH.items()},
+        "steps": steps,
+    }
+
+
+def mb(b):
+    return f"{b / 1e6:,.1f} MB"
 
 
 def render(bundle: str, m: dict) -> str:
     d = m["decode"]
-
-    def mb(b):
-        return f"{b / 1e6:,.1f} MB"
-
     lines = [
         f"Bundle `{bundle}`.",
         "",
@@ -121,9 +187,63 @@ def render(bundle: str, m: dict) -> str:
     ]
     for dev, bw in BANDWIDTH.items():
         lines.append(f"| {dev} | {bw} GB/s | ≤ {bw * 1e9 / per_token:.1f} tok/s |")
+    if "speculative" in m:
+        lines += render_speculative(m["speculative"], d)
     lines += ["", "Published measurements, for comparison:", ""]
     lines += [f"- {name}: {tps} tok/s" for name, tps in PUBLISHED]
     return "\n".join(lines)
+
+
+def render_speculative(s: dict, d: dict) -> list[str]:
+    dr, v, K = s["draft"], s["verify"], s["built_draft_tokens"]
+
+    lines = [
+        "",
+        f"Speculative decoding with the bundle's drafter (built for K = {K}: `{v['function']}`), per call:",
+        "",
+        "| call | weights read | KV read (static, context 1024) | MACs |",
+        "|---|---:|---:|---:|",
+        f"| plain decode step (`infer`) | {mb(d['weight_bytes'])} | {mb(d['kv_static'][CONTEXTS[1]])} | "
+        f"{d['macs'] / 1e9:.3f} G |",
+        f"| draft step (assistant `draft`) | {mb(dr['weight_bytes'])} | {mb(dr['kv_bytes'])} | "
+        f"{dr['macs'] / 1e9:.3f} G |",
+        f"| verify call (chunk_1 + chunk_2 + chunk_3 `{v['function']}`) | {mb(v['weight_bytes'])} | "
+        f"{mb(v['kv_bytes'])} | {(K + 1) * v['macs_per_row'] / 1e9:.3f} G ({v['macs_per_row'] / 1e9:.3f} G/row) |",
+        "",
+        f"Plus, per draft step on the host, not in the bounds: the centroid head's {dr['host_head_macs']:,} MACs "
+        "(the best clusters' int8 rows of the drafter's embedding, one byte a MAC, dotted with its hidden state).",
+        "",
+        "A step of K drafts: K draft calls and one verify call, so the ANE reads K x draft + verify bytes "
+        "(weights and caches once per call, whatever its rows); with each draft accepted with probability a, "
+        "independently, it emits (1 - a^(K+1)) / (1 - a) tokens. The bundle runs K = "
+        f"{K}; the other K are modelled the same way, from the per-row costs (a bundle converted with "
+        "`--draft-tokens K`). The acceptance rates are assumptions, not measurements: a bundle of random "
+        "weights has no meaningful rate, and a real drafter's must be measured on text. The bound is "
+        "bandwidth-bound like plain decode's and ignores the host (drafting, the head, sampling) and "
+        "dispatch; CoreML-LLM measured a 3-token verify at 52 ms against 35 ms for a decode step on "
+        "iPhone 17 Pro, which this model does not capture.",
+        "",
+        "Tokens per step, and in brackets the bound's gain over plain decode (the same on every device):",
+        "",
+        "| K | bytes/step | MACs/step | " + " | ".join(f"a = {r}" for r in RATES) + " |",
+        "|---:|---:|---:|" + "---:|" * len(RATES),
+    ]
+    for k, st in s["steps"].items():
+        gain = s["plain_bytes"] / st["bytes"]
+        tokens = " | ".join(f"{t:.2f} (×{t * gain:.2f})" for t in st["tokens_per_step"].values())
+        lines.append(f"| {k} | {mb(st['bytes'])} | {st['macs'] / 1e9:.2f} G | {tokens} |")
+    lines += [
+        "",
+        "Speculative decode tok/s **upper bounds** per device, beside plain decode's:",
+        "",
+        "| device | plain decode | K | " + " | ".join(f"a = {r}" for r in RATES) + " |",
+        "|---|---:|---:|" + "---:|" * len(RATES),
+    ]
+    for dev, plain in s["plain_bound"].items():
+        for k, st in s["steps"].items():
+            bounds = " | ".join(f"≤ {b:.1f}" for b in st["bound"][dev].values())
+            lines.append(f"| {dev} | ≤ {plain:.1f} | {k}{' (built)' if k == K else ''} | {bounds} |")
+    return lines
 
 
 def main(argv=None):
@@ -135,7 +255,11 @@ def main(argv=None):
     config_path = Path(a.bundle) / "model_config.json"
     if not config_path.is_file():
         sys.exit(f"error: {config_path}: missing (not a gemma-ane bundle?)")
-    m = model(inspect(a.bundle), json.loads(config_path.read_text()))
+    report = inspect(a.bundle)
+    packages = report["chunks"] + ([report["assistant"]] if "assistant" in report else [])
+    if any(f["weight_bytes"] is None for p in packages for f in p["functions"].values()):
+        sys.exit(f"error: {a.bundle}: compiled packages (.mlmodelc) cannot be costed; convert with --no-compile")
+    m = model(report, json.loads(config_path.read_text()))
     if a.json:
         print(json.dumps(m, indent=2))
         return

@@ -94,6 +94,8 @@ def prompt_paths(chunks: list[dict]) -> dict:
     stateful = [c for c in chunks if c["functions"].get("infer", {}).get("inputs", {}).get("current_pos")]
     paths = {}
     for fname in stateful[0]["functions"] if stateful else []:
+        if fname.startswith("verify_b"):
+            continue  # decoding's speculative step, never a prompt's (CONTRACT §3)
         fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
         if any(f["macs_per_token"] is None for f in fns):
             continue  # a compiled chunk: costs unknown
@@ -116,13 +118,15 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
         if entry["name"] in planned:
             entry["layers"] = planned[entry["name"]]["layers"]
         chunks.append(entry)
+    report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
+    drafter = next((p for p in (root / "assistant.mlpackage", root / "assistant.mlmodelc") if p.exists()), None)
+    if drafter is not None:  # its `draft` costed as the chunks' functions: what a speculative step pays per draft
+        report["assistant"] = (
+            _inspect_package(drafter) if drafter.suffix == ".mlpackage" else _inspect_compiled(drafter, drafter=True)
+        )
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
-    return {
-        "bundle": str(root),
-        "chunks": chunks,
-        "prompt_paths": prompt_paths(chunks),
-        "manifest": {"present": manifest is not None, "verified": not problems, "problems": problems},
-    }
+    report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
+    return report
 
 
 def _tokens_per_call(io: dict) -> int:
@@ -148,11 +152,12 @@ def _inspect_package(path: Path) -> dict:
     return entry
 
 
-def _inspect_compiled(path: Path) -> dict:
+def _inspect_compiled(path: Path, drafter: bool = False) -> dict:
     """A compiled chunk cannot be read back: its interfaces as the bundle states them, no costs."""
     from .backend import read_interfaces
+    from .drafter import _interfaces as drafter_interfaces  # here, not at the top: drafter.py imports this module
 
-    interfaces = read_interfaces(path)
+    interfaces = drafter_interfaces(path) if drafter else read_interfaces(path)
     entry = {"name": path.name.split(".")[0], "path": path.name, "size_bytes": tree_size(path), "functions": {}}
     entry["states"] = next(iter(interfaces.values()))["states"]
     for fname, io in interfaces.items():

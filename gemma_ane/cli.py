@@ -142,7 +142,7 @@ def cmd_inspect(a):
     if a.json:
         print(json.dumps(report, indent=2))
         return 0 if report["manifest"]["verified"] else 1
-    for c in report["chunks"]:
+    for c in [*report["chunks"], *([report["assistant"]] if "assistant" in report else [])]:
         layers = f"layers {c['layers'][0]}-{c['layers'][-1]}, " if "layers" in c else ""
         print(f"{c['name']} ({c['path']}): {layers}{c['size_bytes'] / 1e6:.2f} MB on disk")
         for name, t in c["states"].items():

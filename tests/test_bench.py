@@ -127,6 +127,75 @@ def test_cost_model_quick(quick_bundle):
     assert static["256"] == static["2048"] and ideal["256"] < ideal["2048"] <= static["2048"]
     table = script("cost_model.py", out, "--no-record").stdout
     assert "upper bounds" in table and "A19 Pro" in table and "33.4 tok/s" in table
+    assert "speculative" not in model and "Speculative" not in table  # no drafter: the output as it was
+
+
+@pytest.fixture(scope="module")
+def drafter_bundle(tmp_path_factory):
+    """A tiny target and drafter, converted with --assistant at K = 2 (16 bits, no KV-only prefill: quick)."""
+    from gemma_ane.convert import ConvertOptions, convert
+    from gemma_ane.tiny import write_tiny
+
+    d = tmp_path_factory.mktemp("drafter")
+    write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
+    opts = ConvertOptions(context=128, bits=16, kv_prefill_batches=(), assistant=str(d / "asst"), draft_tokens=2)
+    convert(str(d / "ckpt"), str(d / "bundle"), opts, progress=False)
+    return d / "bundle"
+
+
+def test_inspect_reports_the_drafter(drafter_bundle):
+    from gemma_ane.files import tree_size
+
+    r = subprocess.run(
+        [sys.executable, "-m", "gemma_ane.cli", "inspect", str(drafter_bundle), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    report = json.loads(r.stdout)
+    drafter = report["assistant"]
+    assert drafter["size_bytes"] == tree_size(drafter_bundle / "assistant.mlpackage") > 0
+    draft = drafter["functions"]["draft"]
+    assert draft["tokens_per_call"] == 1 and draft["weight_bytes"] > 0 and draft["macs_per_token"] > 0
+    assert "verify_b3" not in report["prompt_paths"] and "infer" in report["prompt_paths"]  # verify is no prompt path
+    text = subprocess.run(
+        [sys.executable, "-m", "gemma_ane.cli", "inspect", str(drafter_bundle), "--no-sha"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "assistant (assistant.mlpackage)" in text and "  draft: T=1, weights" in text
+
+
+def test_cost_model_speculative_quick(drafter_bundle):
+    sys.path.insert(0, str(BENCH))
+    from cost_model import BANDWIDTH, RATES, expected_tokens
+
+    m = json.loads(script("cost_model.py", drafter_bundle, "--json").stdout)
+    s, d = m["speculative"], m["decode"]
+    draft, verify = s["draft"], s["verify"]
+    assert s["built_draft_tokens"] == 2 and verify["function"] == "verify_b3"
+    assert draft["weight_bytes"] > 0 and draft["kv_bytes"] > 0 and draft["host_head_macs"] > 0
+    assert verify["weight_bytes"] >= d["weight_bytes"] and verify["macs_per_row"] >= d["macs"]
+    assert s["plain_bytes"] == d["weight_bytes"] + d["kv_static"]["1024"]
+    assert list(s["steps"]) == ["1", "2", "3", "4"]  # K past the bundle's 2 modelled too
+    for k, st in s["steps"].items():
+        k = int(k)
+        assert (
+            st["bytes"] == k * (draft["weight_bytes"] + draft["kv_bytes"]) + verify["weight_bytes"] + verify["kv_bytes"]
+        )
+        assert st["macs"] == k * draft["macs"] + (k + 1) * verify["macs_per_row"]
+        tokens = list(st["tokens_per_step"].values())
+        assert tokens == pytest.approx([(1 - a ** (k + 1)) / (1 - a) for a in RATES])
+        assert 1 < tokens[0] and all(x < y for x, y in zip(tokens, tokens[1:])) and tokens[-1] < k + 1
+        for dev, bw in BANDWIDTH.items():
+            # bound = tokens x bandwidth / bytes per step: at a = 0 (one token a step) it is below plain decode's
+            floor = bw * 1e9 / st["bytes"]
+            assert list(st["bound"][dev].values()) == pytest.approx([t * floor for t in tokens])
+            assert floor < s["plain_bound"][dev] == pytest.approx(bw * 1e9 / s["plain_bytes"])
+    for k in (1, 4):  # the endpoints: nothing accepted gives the target's one token, everything K + 1
+        assert expected_tokens(0.0, k) == 1 and expected_tokens(1.0, k) == k + 1
+    table = script("cost_model.py", drafter_bundle, "--no-record").stdout
+    assert "| draft step (assistant `draft`) |" in table and "`verify_b3`" in table
+    assert "| A19 Pro | ≤ " in table and "| 2 (built) |" in table and "assumptions" in table
 
 
 def test_executor_vs_transformers_quick(quick_ckpt, quick_bundle):
