@@ -66,5 +66,7 @@ def tiny_bundle(tmp: Path, bits: int) -> Path:
     from gemma_ane.tiny import write_tiny
 
     write_tiny(tmp / "ckpt", preset="e2b-mini")
-    convert(str(tmp / "ckpt"), str(tmp / "bundle"), ConvertOptions(context=128, bits=bits), progress=False)
+    convert(
+        str(tmp / "ckpt"), str(tmp / "bundle"), ConvertOptions(context=128, bits=bits, vision=False), progress=False
+    )
     return tmp / "bundle"

@@ -114,8 +114,9 @@ def test_image(ckpt: Path):
     """One 640x480 picture (smooth colour fields and noise) as `encode`'s inputs, and its Patches."""
     from PIL import Image
 
+    from gemma_ane.encoder import encoder_inputs
     from gemma_ane.images import preprocess
-    from gemma_ane.vision import encoder_inputs, open_vision
+    from gemma_ane.vision import open_vision
 
     spec, c = open_vision(ckpt, BUDGET)
     try:

@@ -17,7 +17,6 @@ from a 262,144-row table, which the ANE does badly, so the host does them (draft
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,11 +29,7 @@ from .convert import (
     ROW_BLOCK,
     ConvertError,
     ConvertOptions,
-    _quiet_coremltools,
-    _temp_files_in,
-    compile_package,
-    finish_function,
-    merge_functions,
+    save_one_function,
     trace_function,
 )
 from .files import tree_size
@@ -244,28 +239,14 @@ def convert_assistant(
         package = draft_io(spec, plan)
         with timer("load"):
             model = load_assistant(ckpt, spec, package, fp16_range=True)
-        work = out / ".work"
-        work.mkdir(exist_ok=True)
-        path = work / f"assistant.{FUNCTION}.mlpackage"
-        prog, skipped = trace_function(model, package, FUNCTION, timer), set()
-        finish_function(prog, options, {}, timer, skipped, path)
-        if skipped:
-            print(f"note: {len(skipped)} weight(s) of the assistant stay fp16 (e.g. {sorted(skipped)[0]})")
-        final = out / "assistant.mlpackage"
-        with timer("merge"), _quiet_coremltools(), _temp_files_in(work):
-            merge_functions({FUNCTION: path}, final, default=FUNCTION)  # names the function `draft`
-        shutil.rmtree(work)
+        prog = trace_function(model, package, FUNCTION, timer)
+        final = save_one_function(prog, FUNCTION, "assistant", options, out, timer, compile_)
         if spec.num_centroids:
             with timer("sidecars"):
                 write_head_sidecars(ckpt, spec, out)
     finally:
         ckpt.close()
-    if not compile_:
-        return tree_size(final)
-    with timer("compile"):
-        compile_package(final, out / "assistant.mlmodelc")
-        shutil.rmtree(final)
-    return tree_size(out / "assistant.mlmodelc")
+    return tree_size(final)
 
 
 def write_head_sidecars(ckpt: Checkpoint, spec: AssistantSpec, out: Path) -> None:

@@ -167,6 +167,66 @@ class CoreMLBackend:
         state.write_state(name, np.asarray(array, np.float32))  # the bridge takes no fp16 arrays
 
 
+class CoreMLFunction:
+    """A stateless package of one function (the drafter's `draft`, the vision model's `encode`) under Core ML.
+    Not CoreMLBackend, which loads `infer` when it opens: this one loads its function on first use (`load`), and a
+    device may refuse it (FunctionUnavailable: the caller then goes on without this model)."""
+
+    def __init__(self, path: Path, name: str, compute_units: str, interfaces: dict):
+        import coremltools as ct
+
+        self.path, self.name, self.compute_units, self.interfaces = path, name, compute_units, interfaces
+        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        self.model = None
+
+    def load(self, function: str) -> None:
+        import coremltools as ct
+
+        if self.model is not None:
+            return
+        error = None
+        try:
+            if self.path.suffix == ".mlpackage":
+                self.model = ct.models.MLModel(str(self.path), compute_units=self.units, function_name=function)
+                error = self.model._framework_error if self.model.__proxy__ is None else None
+            else:
+                self.model = ct.models.CompiledMLModel(str(self.path), compute_units=self.units, function_name=function)
+        except RuntimeError as e:
+            error = e
+        if error is not None:
+            self.model = None
+            raise FunctionUnavailable(f"{self.name}: {function!r} cannot be loaded on {self.compute_units} ({error})")
+
+    def predict(self, function: str, inputs: dict, state=None) -> dict:
+        self.load(function)
+        return self.model.predict(cast_inputs(self.interfaces[function], inputs))
+
+
+def open_one_function(
+    root: Path, name: str, function: str, what: str, backend: str, precision: str, compute_units: str
+):
+    """A bundle's one-function model `name` (assistant, vision), as its .mlpackage or compiled .mlmodelc, run by
+    the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
+    found = [p for p in (root / f"{name}.mlpackage", root / f"{name}.mlmodelc") if p.exists()]
+    if not found:
+        raise BundleError(f"{root / (name + '.mlpackage')}: missing (model_config.json states {what})")
+    if pick_backend(backend) == "mil":
+        return MILBackend(found[0], precision)
+    return CoreMLFunction(found[0], name, compute_units, one_function_interfaces(found[0], name, function))
+
+
+def one_function_interfaces(path: Path, name: str, function: str) -> dict[str, Interface]:
+    """A package states its interface; a compiled one cannot be read back: manifest.json's entry `name` states
+    it (stateless)."""
+    if path.suffix == ".mlpackage":
+        return read_interfaces(path)
+    manifest = path.parent / "manifest.json"
+    functions = (read_json(manifest) if manifest.is_file() else {}).get(name, {}).get("functions")
+    if not isinstance(functions, dict) or function not in functions:
+        raise BundleError(f"{path}: compiled, and manifest.json states no interface for its {function!r} function")
+    return {f: {**io, "states": {}} for f, io in functions.items()}
+
+
 def read_interfaces(path: Path) -> dict[str, Interface]:
     """Every function's interface, default first, from the package's own model description. A
     compiled .mlmodelc cannot be read back, so its interfaces come from what the bundle states."""

@@ -16,6 +16,7 @@ import numpy as np
 from .engine import Engine, HostTables
 from .files import FileFormatError, read_json, sha256_file, tree_size
 from .host import rope_tables, rotated_pairs
+from .images import SOFT_TOKEN_BUDGETS
 from .package import Package, PackageError, macs, weight_bytes
 from .spec import FULL, MAX_DRAFT_TOKENS, SLIDING, ModelSpec
 
@@ -108,6 +109,9 @@ def prompt_paths(chunks: list[dict]) -> dict:
     return paths
 
 
+ONE_FUNCTION_MODELS = {"assistant": "draft", "vision": "encode"}  # beside the chunks: name -> its function
+
+
 def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     root = Path(root)
     manifest = read_json(root / "manifest.json") if (root / "manifest.json").is_file() else None
@@ -119,11 +123,11 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
             entry["layers"] = planned[entry["name"]]["layers"]
         chunks.append(entry)
     report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
-    drafter = next((p for p in (root / "assistant.mlpackage", root / "assistant.mlmodelc") if p.exists()), None)
-    if drafter is not None:  # its `draft` costed as the chunks' functions: what a speculative step pays per draft
-        report["assistant"] = (
-            _inspect_package(drafter) if drafter.suffix == ".mlpackage" else _inspect_compiled(drafter, drafter=True)
-        )
+    # the one-function models, costed as the chunks' functions: what a draft step or an image pays
+    for name, function in ONE_FUNCTION_MODELS.items():
+        path = next((p for p in (root / f"{name}.mlpackage", root / f"{name}.mlmodelc") if p.exists()), None)
+        if path is not None:
+            report[name] = _inspect_package(path) if path.suffix == ".mlpackage" else _inspect_compiled(path, function)
     problems = check_manifest(root, sha256) if manifest is not None else ["manifest.json: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
@@ -152,13 +156,14 @@ def _inspect_package(path: Path) -> dict:
     return entry
 
 
-def _inspect_compiled(path: Path, drafter: bool = False) -> dict:
-    """A compiled chunk cannot be read back: its interfaces as the bundle states them, no costs."""
-    from .backend import read_interfaces
-    from .drafter import _interfaces as drafter_interfaces  # here, not at the top: drafter.py imports this module
+def _inspect_compiled(path: Path, function: str | None = None) -> dict:
+    """A compiled chunk (or one-function model) cannot be read back: its interfaces as the bundle states them, no
+    costs."""
+    from .backend import one_function_interfaces, read_interfaces  # here: backend.py imports this module
 
-    interfaces = drafter_interfaces(path) if drafter else read_interfaces(path)
-    entry = {"name": path.name.split(".")[0], "path": path.name, "size_bytes": tree_size(path), "functions": {}}
+    name = path.name.split(".")[0]
+    interfaces = one_function_interfaces(path, name, function) if function else read_interfaces(path)
+    entry = {"name": name, "path": path.name, "size_bytes": tree_size(path), "functions": {}}
     entry["states"] = next(iter(interfaces.values()))["states"]
     for fname, io in interfaces.items():
         entry["functions"][fname] = {
@@ -347,6 +352,25 @@ ASSISTANT_CONFIG = {
         ),
     ),
 }
+# model_config.json's `vision` (a bundle with a vision model, vision.config_entry), as ASSISTANT_CONFIG
+VISION_CONFIG = {
+    "image_tokens": (
+        "one of " + ", ".join(map(str, SOFT_TOKEN_BUDGETS)),
+        lambda v, e, c: _integer(v) and v in SOFT_TOKEN_BUDGETS,
+    ),
+    "patch_size": ("a positive integer", lambda v, e, c: _positive(v)),
+    "pooling_kernel_size": ("a positive integer", lambda v, e, c: _positive(v)),
+    "head_dim": ("a positive multiple of 4", lambda v, e, c: _positive(v) and v % 4 == 0),
+    "rope_theta": ("a positive fp32 number", lambda v, e, c: _scale(v)),
+    "position_table": (
+        "a file name in the bundle",
+        lambda v, e, c: isinstance(v, str) and v == Path(v).name and v not in ("", ".", ".."),
+    ),
+    **{
+        name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
+        for name in ("boi_token_id", "image_token_id", "eoi_token_id")
+    },
+}
 ASSISTANT_SIDECARS = ("assistant_embed_q8.bin", "assistant_embed_scales.bin", "assistant_token_ordering.bin")
 
 
@@ -370,25 +394,27 @@ def read_model_config(root: Path) -> dict:
             value = value if len(value) <= 40 else value[:37] + "..."
             what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
             raise BundleError(f"{path}: {name}={value}: expected {what}")
-    if "assistant" in config:
-        _check_assistant_config(path, config)
+    for key, fields in (("assistant", ASSISTANT_CONFIG), ("vision", VISION_CONFIG)):
+        if key in config:
+            _check_entry(path, config, key, fields)
+    if "assistant" in config and SLIDING in config["assistant"]["producers"] and "sliding_window" not in config:
+        raise BundleError(f"{path}: sliding_window: missing (the assistant's sliding layers need it)")
     return config
 
 
-def _check_assistant_config(path: Path, config: dict) -> None:
-    a = config["assistant"]
-    if not isinstance(a, dict):
-        raise BundleError(f"{path}: assistant: expected a JSON object, found {type(a).__name__}")
-    for name, (what, ok) in ASSISTANT_CONFIG.items():
-        if name not in a:
-            raise BundleError(f"{path}: assistant.{name}: missing")
-        if not ok(a[name], a, config):
-            value = repr(a[name])
+def _check_entry(path: Path, config: dict, key: str, fields: dict) -> None:
+    """config[key], an object whose every field is required and must pass its test."""
+    entry = config[key]
+    if not isinstance(entry, dict):
+        raise BundleError(f"{path}: {key}: expected a JSON object, found {type(entry).__name__}")
+    for name, (what, ok) in fields.items():
+        if name not in entry:
+            raise BundleError(f"{path}: {key}.{name}: missing")
+        if not ok(entry[name], entry, config):
+            value = repr(entry[name])
             raise BundleError(
-                f"{path}: assistant.{name}={value if len(value) <= 40 else value[:37] + '...'}: expected {what}"
+                f"{path}: {key}.{name}={value if len(value) <= 40 else value[:37] + '...'}: expected {what}"
             )
-    if SLIDING in a["producers"] and "sliding_window" not in config:
-        raise BundleError(f"{path}: sliding_window: missing (the assistant's sliding layers need it)")
 
 
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
@@ -405,7 +431,7 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
             check(root)
         except BundleError as e:
             problems.append(str(e))
-    problems += _assistant_problems(root)
+    problems += _one_function_problems(root)
     if sha256 and not (root / "manifest.json").exists() and not problems:
         try:
             if not is_published(root):
@@ -416,18 +442,22 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
 
 
-def _assistant_problems(root: Path) -> list[str]:
-    """A bundle whose model_config.json states an assistant must hold its package and its head's sidecars."""
+def _one_function_problems(root: Path) -> list[str]:
+    """A bundle whose model_config.json states an assistant or a vision model must hold its package and its
+    sidecars (the drafter's head, the vision model's position table)."""
     try:
-        a = read_model_config(root).get("assistant")
+        config = read_model_config(root)
     except BundleError:
         return []  # check_bundle has reported it
-    if a is None:
-        return []
-    missing = (
-        [] if any((root / f"assistant{s}").exists() for s in (".mlpackage", ".mlmodelc")) else ["assistant.mlpackage"]
-    )
-    missing += [f for f in ASSISTANT_SIDECARS if a["num_centroids"] and not (root / f).is_file()]
+    missing = [
+        f"{name}.mlpackage"
+        for name in ONE_FUNCTION_MODELS
+        if name in config and not any((root / f"{name}{s}").exists() for s in (".mlpackage", ".mlmodelc"))
+    ]
+    if config.get("assistant", {}).get("num_centroids"):
+        missing += [f for f in ASSISTANT_SIDECARS if not (root / f).is_file()]
+    if "vision" in config and not (root / config["vision"]["position_table"]).is_file():
+        missing.append(config["vision"]["position_table"])
     return [f"{root / f}: missing" for f in missing]  # as check_manifest words it: reported once
 
 

@@ -370,17 +370,27 @@ def escape_content(messages: list, escape) -> list:
 # -- the built-in formatter -------------------------------------------------------------------------
 
 
-def _parts(message: dict) -> list[str]:
+IMAGE_PLACEHOLDER = "<|image|>"  # what the template renders for an image part; the runtime expands it (encoder.py)
+
+
+def _parts(message: dict, images: bool = True) -> list[str]:
+    """The content's parts as the template renders them: text, and the placeholder for each image part (system
+    turns and tool results: text only)."""
     content = message.get("content")
     if content is None:
         return []
     if isinstance(content, str):
         return [content]
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return [p["text"] for p in content]
-    raise ChatError("message content must be a string or a list of text parts (the built-in formatter is text-only)")
+    parts = []
+    for p in content if isinstance(content, list) else [None]:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        elif kind in ("image", "image_url"):
+            parts += [IMAGE_PLACEHOLDER] if images else []
+        else:
+            raise ChatError("message content must be a string or a list of text and image parts")
+    return parts
 
 
 def _strip_thinking(text: str) -> str:
@@ -416,7 +426,7 @@ def _responses(message: dict, following: list[dict]) -> list[str]:
             if call.get("id") == m.get("tool_call_id"):
                 name = call["function"]["name"]
         body = m.get("content")
-        out.append(_response(name, "".join(_parts(m)) if isinstance(body, list) else body))
+        out.append(_response(name, "".join(_parts(m, images=False)) if isinstance(body, list) else body))
     return out
 
 
@@ -437,7 +447,7 @@ def gemma4_prompt(
     system = messages[0] if messages and messages[0]["role"] in ("system", "developer") else None
     if system or enable_thinking or tools:  # thinking is switched on by <|think|> opening a system turn
         sep = " " if system and isinstance(system.get("content"), list) else ""  # the template's quirk
-        text = "".join(p.strip() + sep for p in _parts(system)) if system else ""
+        text = "".join(p.strip() + sep for p in _parts(system, images=False)) if system else ""
         out.append("<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + text)
         out += [f"<|tool>{declaration(t)}<tool|>" for t in tools or []]
         out.append("<turn|>\n")

@@ -60,9 +60,17 @@ def cmd_tiny(a):
 def cmd_verify(a):
     from .verify import verify_bundle, verify_graph
 
+    if a.image and not a.bundle:
+        raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
     if a.bundle:
         report = verify_bundle(
-            a.src, a.bundle, tokens=a.tokens, precision=a.precision or "fp16", seed=a.seed, prompt_len=a.prompt_tokens
+            a.src,
+            a.bundle,
+            tokens=a.tokens,
+            precision=a.precision or "fp16",
+            seed=a.seed,
+            prompt_len=a.prompt_tokens,
+            images=a.image or (),
         )
     else:
         report = verify_graph(
@@ -77,7 +85,9 @@ def cmd_verify(a):
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions: "
+            f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions"
+            + (f" ({report['image_tokens']} of images)" if report.get("image_tokens") else "")
+            + ": "
             f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
             f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}"
         )
@@ -117,6 +127,9 @@ def cmd_convert(a):
         kv_prefill_batches=_batches(a.kv_prefill_batches),
         assistant=a.assistant,
         draft_tokens=3 if a.draft_tokens is None else a.draft_tokens,
+        vision=a.vision,
+        image_tokens=a.image_tokens,
+        vision_bits=a.vision_bits,
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -130,7 +143,7 @@ def cmd_convert(a):
 
 
 def cmd_inspect(a):
-    from .bundle import inspect_bundle
+    from .bundle import ONE_FUNCTION_MODELS, inspect_bundle
 
     if a.ane:
         from .audit import audit_bundle, format_audit
@@ -142,7 +155,7 @@ def cmd_inspect(a):
     if a.json:
         print(json.dumps(report, indent=2))
         return 0 if report["manifest"]["verified"] else 1
-    for c in [*report["chunks"], *([report["assistant"]] if "assistant" in report else [])]:
+    for c in [*report["chunks"], *(report[name] for name in ONE_FUNCTION_MODELS if name in report)]:
         layers = f"layers {c['layers'][0]}-{c['layers'][-1]}, " if "layers" in c else ""
         print(f"{c['name']} ({c['path']}): {layers}{c['size_bytes'] / 1e6:.2f} MB on disk")
         for name, t in c["states"].items():
@@ -183,15 +196,22 @@ def cmd_generate(a):
     kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
     if a.json_schema is not None:
         kw["response_format"] = _response_format(a.json_schema)
+    if a.image:
+        if a.raw:
+            raise ValueError("--image: a raw prompt has no chat template to place the image in; drop --raw")
+        content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
+        system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
+        kw["messages"] = [*system, {"role": "user", "content": content}]
     model = load(a.bundle, backend=a.backend)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
+    prompt = None if a.image else a.prompt
     if a.json:
-        result = model.generate(a.prompt, **kw)
+        result = model.generate(prompt, **kw)
         _save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
         print(json.dumps(dataclasses.asdict(result)))
         return 0
-    for ev in model.stream_generate(a.prompt, **kw):
+    for ev in model.stream_generate(prompt, **kw):
         if ev.reasoning:
             sys.stderr.write(ev.reasoning)
         sys.stdout.write(ev.text)
@@ -447,6 +467,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="with --assistant: drafts checked per verify call (verify_b{K+1} functions; default 3)",
     )
+    s.add_argument(
+        "--vision",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="convert the checkpoint's vision tower to vision.mlpackage, when it has one (default: yes)",
+    )
+    s.add_argument(
+        "--image-tokens",
+        type=int,
+        default=280,
+        metavar="N",
+        help="soft tokens per image, one of 70, 140, 280, 560, 1120 (default 280, E2B's own)",
+    )
+    s.add_argument(
+        "--vision-bits",
+        type=int,
+        default=None,
+        help="the vision model's weights: 4, 6, 8 or 16 (default: 8, or --bits when that is higher)",
+    )
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")
@@ -463,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="generate text from a prompt")
     s.add_argument("bundle")
     s.add_argument("-p", "--prompt", required=True)
+    s.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image the prompt is about, placed before its text (repeat for more; needs a bundle with vision)",
+    )
     s.add_argument("--raw", action="store_true", help="no chat template: <bos> + the text")
     s.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
     s.add_argument(
@@ -493,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=64)
     s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
     s.add_argument("--bundle", help="verify this converted bundle (run by the MIL executor) instead of the graph")
+    s.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="with --bundle: put this image in the prompt (repeat for more), against Gemma4ForConditionalGeneration",
+    )
     s.add_argument(
         "--precision",
         choices=["fp32", "fp16"],

@@ -10,6 +10,7 @@ renamed into place at the end, so a failed run leaves no OUT.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -27,6 +28,7 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .files import FileFormatError, building, is_within, sha256_file, stop_point, tree_size
 from .host import quantize_rows, rope_tables
+from .images import SOFT_TOKEN_BUDGETS
 from .spec import MAX_DRAFT_TOKENS, ChunkPlan, ConfigError, ModelSpec
 
 HF_FILES = (
@@ -63,6 +65,11 @@ class ConvertOptions:
     # a Gemma 4 drafter's checkpoint directory: adds assistant.mlpackage and verify_b{draft_tokens + 1} functions
     assistant: str | None = None
     draft_tokens: int = 3
+    # the vision tower (when the checkpoint has one) as vision.mlpackage, for this many soft tokens per image, its
+    # weights at vision_bits (None: 8 when the chunks' bits are lower; at 4 bits its soft tokens lose too much)
+    vision: bool = True
+    image_tokens: int = 280
+    vision_bits: int | None = None
 
     def check(self) -> None:
         if self.bits not in (4, 6, 8, 16):
@@ -79,6 +86,17 @@ class ConvertOptions:
             raise ConvertError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         if self.assistant and self.layout == "published":
             raise ConvertError("--assistant: the published layout has no drafter (its head is an argmax); use ours")
+        if self.image_tokens not in SOFT_TOKEN_BUDGETS:
+            budgets = ", ".join(map(str, SOFT_TOKEN_BUDGETS))
+            raise ConvertError(f"--image-tokens {self.image_tokens}: choose one of {budgets}")
+        if self.vision_bits not in (None, 4, 6, 8, 16):
+            raise ConvertError(f"--vision-bits {self.vision_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+
+    @property
+    def vision_options(self) -> ConvertOptions:
+        """These options with the vision model's bits."""
+        bits = self.vision_bits or (self.bits if self.bits >= 8 else 8)
+        return dataclasses.replace(self, bits=bits)
 
 
 # -- coremltools glue ---------------------------------------------------------------------------
@@ -303,6 +321,28 @@ def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -
     save_multifunction(desc, str(out))
 
 
+def save_one_function(prog, function: str, name: str, options: ConvertOptions, out: Path, timer, compile_) -> Path:
+    """A traced one-function program (the drafter's `draft`, the vision model's `encode`), palettized and saved as
+    OUT/NAME.mlpackage with its function so named (merged alone: a plain save would call it `main`), or compiled
+    to OUT/NAME.mlmodelc. Returns the path written."""
+    work = out / ".work"
+    work.mkdir(exist_ok=True)
+    path, skipped = work / f"{name}.{function}.mlpackage", set()
+    finish_function(prog, options, {}, timer, skipped, path)
+    if skipped:
+        print(f"note: {len(skipped)} weight(s) of {name} stay fp16 (e.g. {sorted(skipped)[0]})")
+    final = out / f"{name}.mlpackage"
+    with timer("merge"), _quiet_coremltools(), _temp_files_in(work):
+        merge_functions({function: path}, final, default=function)
+    shutil.rmtree(work)
+    if not compile_:
+        return final
+    with timer("compile"):
+        compile_package(final, out / f"{name}.mlmodelc")
+        shutil.rmtree(final)
+    return out / f"{name}.mlmodelc"
+
+
 # -- sidecars -----------------------------------------------------------------------------------
 
 
@@ -321,9 +361,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
         np.lib.format.write_array(f, np.ascontiguousarray(array), version=(1, 0), allow_pickle=False)
 
 
-def model_config(
-    spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name: str, assistant: dict | None = None
-) -> dict:
+def model_config(spec: ModelSpec, plan: ChunkPlan, options: ConvertOptions, name: str, extras: dict) -> dict:
     config = {
         "model_name": name,
         "architecture": "gemma4",
@@ -356,13 +394,13 @@ def model_config(
         "split": list(plan.split),
         "head": "token_id" if options.layout == "published" else "logits",
     }
-    if assistant is not None:  # assistant.config_entry: the drafter's shapes and head, K drafts per verify call
-        config["assistant"] = assistant
-    return config
+    # the one-function models' entries: assistant.config_entry (the drafter's shapes and head, K drafts per verify
+    # call), vision.config_entry (the budget, preprocessing, the image token ids)
+    return {**config, **extras}
 
 
 def write_sidecars(
-    ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str, assistant: dict | None = None
+    ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, name: str, extras: dict
 ) -> None:
     spec = ckpt.spec
     _write_rows_int8(ckpt, "embed_tokens.weight", out / "embed_tokens_q8.bin", out / "embed_tokens_scales.bin")
@@ -389,7 +427,7 @@ def write_sidecars(
     for layer_type, (cos, sin) in tables.items():
         _save_npy(out / f"cos_{names[layer_type]}.npy", cos.astype(np.float16))
         _save_npy(out / f"sin_{names[layer_type]}.npy", sin.astype(np.float16))
-    config = model_config(spec, plan, options, name, assistant)
+    config = model_config(spec, plan, options, name, extras)
     (out / "model_config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf = out / "hf_model"
     hf.mkdir()
@@ -405,9 +443,7 @@ def bundle_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("manifest.json",))
 
 
-def write_manifest(
-    out: Path, src: Path, options: ConvertOptions, plan: ChunkPlan, assistant: dict | None = None
-) -> dict:
+def write_manifest(out: Path, src: Path, options: ConvertOptions, plan: ChunkPlan, extras: dict) -> dict:
     import coremltools as ct
     import torch
 
@@ -419,8 +455,8 @@ def write_manifest(
         "source": {"path": str(src), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
         "options": {**asdict(options), "split": list(plan.split)},
         "plan": plan.to_json(),
-        # the drafter package's interface, as the plan states the chunks' (a compiled package cannot be read back)
-        **({"assistant": assistant} if assistant is not None else {}),
+        # the one-function packages' interfaces, as the plan states the chunks' (a compiled one cannot be read back)
+        **extras,
         "files": {
             str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in bundle_files(out)
         },
@@ -448,11 +484,17 @@ def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, s
         if options.assistant
         else ""
     )
+    if "vision" in sizes:
+        bits = options.vision_options.bits
+        chunks += f"\n| `vision` | vision tower | encode | {sizes['vision'] / 1e6:.1f} MB |"
+        drafter += f"\n- image input: the vision tower as `vision`, {options.image_tokens} soft tokens per image, " + (
+            "fp16 weights" if bits == 16 else f"{bits}-bit weights"
+        )
     return f"""---
 license: gemma
 base_model: {name}
 library_name: coreml
-pipeline_tag: text-generation
+pipeline_tag: {"image-text-to-text" if "vision" in sizes else "text-generation"}
 tags:
 - coreml
 - apple-neural-engine
@@ -574,7 +616,8 @@ def convert(
     try:
         if is_within(out, root) or is_within(root, out):  # replacing OUT would delete or litter the checkpoint
             raise ConvertError(f"{out}: OUT must not be, hold or lie inside the checkpoint {root}; choose another OUT")
-        drafter = _check_assistant(options, plan)  # before anything is written: a bad pairing costs nothing
+        # before anything is written: a bad pairing or budget costs nothing
+        extras = [e for e in (_check_assistant(options, plan), _check_vision(options, root)) if e]
         with building(out) as tmp:
             if not compile_ and options.compile is None:
                 print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
@@ -582,16 +625,14 @@ def convert(
                 chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
                 for chunk in plan.chunks
             }
-            if drafter:
-                from .assistant import convert_assistant
-
-                sizes["assistant"] = convert_assistant(options.assistant, plan, options, tmp, timer, compile_)
+            for extra in extras:
+                sizes[extra["name"]] = extra["convert"](tmp, timer, compile_)
             name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
             with timer("sidecars"):
-                write_sidecars(ckpt, plan, options, tmp, name, drafter and drafter["config"])
+                write_sidecars(ckpt, plan, options, tmp, name, {e["name"]: e["config"] for e in extras})
                 (tmp / "README.md").write_text(model_card(name, root, options, plan, sizes))
                 if options.layout == "ours":
-                    write_manifest(tmp, root, options, plan, drafter and drafter["manifest"])
+                    write_manifest(tmp, root, options, plan, {e["name"]: e["manifest"] for e in extras})
     except FileFormatError as e:
         raise ConvertError(str(e)) from None
     finally:
@@ -600,10 +641,11 @@ def convert(
 
 
 def _check_assistant(options: ConvertOptions, plan: ChunkPlan) -> dict | None:
-    """With --assistant: its model_config.json entry and manifest entry, the pairing and tensors checked."""
+    """With --assistant: the drafter's model_config.json and manifest entries and its conversion (a callable of
+    (out, timer, compile_)), the pairing and tensors checked."""
     if not options.assistant:
         return None
-    from .assistant import config_entry, draft_io, open_assistant
+    from .assistant import config_entry, convert_assistant, draft_io, open_assistant
 
     spec, ckpt = open_assistant(options.assistant, plan.spec)
     ckpt.close()
@@ -613,7 +655,36 @@ def _check_assistant(options: ConvertOptions, plan: ChunkPlan) -> dict | None:
         raise ConvertError(f"--assistant: {e}") from None
     config_sha = hashlib.sha256((ckpt.root / "config.json").read_bytes()).hexdigest()
     source = {"path": str(ckpt.root), "config_sha256": config_sha}
-    return {"config": config_entry(spec, plan), "manifest": {"source": source, **package.to_json()}}
+    return {
+        "name": "assistant",
+        "config": config_entry(spec, plan),
+        "manifest": {"source": source, **package.to_json()},
+        "convert": functools.partial(convert_assistant, options.assistant, plan, options),
+    }
+
+
+def _check_vision(options: ConvertOptions, root: Path) -> dict | None:
+    """The vision model's entries and conversion, as _check_assistant's, when the checkpoint has a vision tower and
+    the options want it (the published layout is text-only)."""
+    from .vision import config_entry, convert_vision, encode_io, open_vision, read_spec
+
+    if not options.vision or options.layout == "published":
+        return None
+    try:
+        found = read_spec(root)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{root / 'config.json'}: {e}") from None
+    if found is None:
+        return None
+    spec, ckpt = open_vision(root, options.image_tokens)
+    ckpt.close()
+    tokens, vision = options.image_tokens, options.vision_options
+    return {
+        "name": "vision",
+        "config": config_entry(spec, tokens),
+        "manifest": encode_io(spec, tokens).to_json(),
+        "convert": lambda out, timer, compile_: tree_size(convert_vision(root, vision, out, timer, tokens, compile_)),
+    }
 
 
 def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, ChunkPlan]:

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import COMPUTE_UNITS, MILBackend, cast_inputs, pick_backend, read_interfaces
+from .backend import open_one_function
 from .bundle import BundleError, RowTable, _small
-from .engine import FunctionUnavailable, HostTables
-from .files import read_json
+from .engine import HostTables
 from .host import full_mask, sliding_mask
 from .sampling import Proposal
 from .spec import FULL, SLIDING, kv_name
@@ -100,40 +99,6 @@ class Drafter:
         return Proposal(np.arange(self.vocab), logits, None, self.vocab), carry
 
 
-class _CoreMLDraft:
-    """The package under Core ML. Not backend.CoreMLBackend, which loads `infer` when it opens: this package's one
-    function is `draft`, loaded by `load` (a device may refuse it; the caller then decodes without drafts)."""
-
-    def __init__(self, path: Path, compute_units: str, interfaces: dict):
-        import coremltools as ct
-
-        self.path, self.name, self.compute_units, self.interfaces = path, "assistant", compute_units, interfaces
-        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
-        self.model = None
-
-    def load(self, function: str) -> None:
-        import coremltools as ct
-
-        if self.model is not None:
-            return
-        error = None
-        try:
-            if self.path.suffix == ".mlpackage":
-                self.model = ct.models.MLModel(str(self.path), compute_units=self.units, function_name=function)
-                error = self.model._framework_error if self.model.__proxy__ is None else None
-            else:
-                self.model = ct.models.CompiledMLModel(str(self.path), compute_units=self.units, function_name=function)
-        except RuntimeError as e:
-            error = e
-        if error is not None:
-            self.model = None
-            raise FunctionUnavailable(f"{self.name}: {function!r} cannot be loaded on {self.compute_units} ({error})")
-
-    def predict(self, function: str, inputs: dict, state) -> dict:
-        self.load(function)
-        return self.model.predict(cast_inputs(self.interfaces[function], inputs))
-
-
 def open_drafter(
     root: str | Path, backend: str, precision: str, compute_units: str, host: HostTables, config: dict
 ) -> Drafter | None:
@@ -141,14 +106,7 @@ def open_drafter(
     if "assistant" not in config:
         return None
     root = Path(root)
-    found = [p for p in (root / "assistant.mlpackage", root / "assistant.mlmodelc") if p.exists()]
-    if not found:
-        raise BundleError(f"{root / 'assistant.mlpackage'}: missing (model_config.json states an assistant)")
-    path = found[0]
-    if pick_backend(backend) == "mil":
-        package = MILBackend(path, precision)
-    else:
-        package = _CoreMLDraft(path, compute_units, _interfaces(path))
+    package = open_one_function(root, "assistant", FUNCTION, "an assistant", backend, precision, compute_units)
     a = config["assistant"]
     head = None
     if a["num_centroids"]:
@@ -160,14 +118,3 @@ def open_drafter(
         rows = RowTable(root / "assistant_embed_q8.bin", np.int8, (V, Ha))
         head = CentroidHead(rows, scales, ordering, a["num_centroids"], a["centroid_top_k"])
     return Drafter(package, host, config, head)
-
-
-def _interfaces(path: Path) -> dict:
-    """A package states its interface; a compiled one cannot be read back: manifest.json's `assistant` states it."""
-    if path.suffix == ".mlpackage":
-        return read_interfaces(path)
-    manifest = path.parent / "manifest.json"
-    functions = (read_json(manifest) if manifest.is_file() else {}).get("assistant", {}).get("functions")
-    if not isinstance(functions, dict) or FUNCTION not in functions:
-        raise BundleError(f"{path}: compiled, and manifest.json states no interface for its {FUNCTION!r} function")
-    return {f: {**io, "states": {}} for f, io in functions.items()}

@@ -15,6 +15,7 @@ import numpy as np
 
 from .host import dequantize_rows, full_mask, kv_sliding_mask, sliding_mask
 from .spec import FULL, SLIDING
+from .tokens import PAD
 
 
 class ContextOverflow(ValueError):
@@ -113,6 +114,9 @@ class Engine:
         # The published head returns the argmax token (token_id) instead of logits.
         self.head = "logits" if "logits" in chunks[-1].interfaces["infer"]["outputs"] else "token_id"
         self.loaded = {"infer"}  # functions every chunk that has them has loaded (infer: at open)
+        # Soft tokens (an image's rows, encoder.py): a negative id in a prompt is a key here. Set by the caller
+        # for the prompt it feeds; the caches compare keys as they compare ids.
+        self.soft_tokens: dict[int, np.ndarray] = {}
         self.reset()
 
     @classmethod
@@ -150,9 +154,22 @@ class Engine:
     def _predict(self, i: int, function: str, inputs: dict) -> dict:
         return self.chunks[i].predict(function, inputs, self.states[i])
 
+    def _embed(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """host.embed, with each soft token's row as its hidden state and the pad token's per-layer embedding
+        (as transformers: the per-layer lookup sees multimodal ids as the pad id)."""
+        soft = ids < 0
+        if not soft.any():
+            return self.host.embed(ids)
+        missing = {int(t) for t in ids[soft]} - self.soft_tokens.keys()
+        if missing:
+            raise ValueError(f"soft token {min(missing)}: no row for it (encode its image first)")
+        h, ple = self.host.embed(np.where(soft, PAD, ids))
+        h[0, soft] = np.stack([self.soft_tokens[int(t)] for t in ids[soft]])
+        return h, ple
+
     def _inputs(self, ids: np.ndarray, p0: int) -> dict:
         T = len(ids)
-        h, ple = self.host.embed(ids)
+        h, ple = self._embed(ids)
         x = {
             "hidden_states": h,
             "per_layer_raw": ple,

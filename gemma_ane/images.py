@@ -25,6 +25,8 @@ What `load_image` does with awkward input (as transformers, unless said otherwis
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 import os
@@ -93,6 +95,24 @@ def _to_rgb(img, name: str, Image):
         white = Image.new("RGBA", img.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
     return img.convert("RGB")
+
+
+def data_url_bytes(url, what: str = "image_url") -> bytes:
+    """The bytes of a `data:` URL (base64), as OpenAI clients send images. Remote URLs are refused: the runtime
+    never fetches anything on a caller's behalf."""
+    if not isinstance(url, str):
+        raise ImageError(f"{what}: expected a URL string, not {type(url).__name__}")
+    if url.startswith(("http://", "https://")):
+        raise ImageError(f"{what}: remote image URLs are not fetched; send the image as a data: URL (base64)")
+    head, comma, data = url.partition(",")
+    if not url.startswith("data:") or not comma:
+        raise ImageError(f"{what}: expected a data: URL (data:image/png;base64,...), got {url[:40]!r}")
+    if not head.endswith(";base64"):
+        raise ImageError(f"{what}: the data: URL must be base64-encoded ({head[:40]!r} says otherwise)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise ImageError(f"{what}: the data: URL is not valid base64 ({_one_line(e)})") from None
 
 
 @dataclass(frozen=True)

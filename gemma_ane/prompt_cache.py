@@ -2,7 +2,8 @@
 processed once across processes (as mlx-lm's prompt cache files and llama.cpp's slot save/restore).
 
 A file is a numpy .npz archive:
-- `tokens` int32 [n]: the ids whose K/V it holds, positions 0..n-1;
+- `tokens` int64 [n]: the ids whose K/V it holds, positions 0..n-1 (an image's soft tokens: their negative
+  keys, encoder.soft_keys; files from before images hold int32);
 - `meta`: JSON text: {"format": 1, "bundle": the bundle's fingerprint, "context", "window"};
 - `chunk_K/NAME`: chunk K's state NAME: the ring whole, a full cache's first n slots (axis 2).
 A file made for another bundle (other weights, context or window) is refused, never misread.
@@ -49,7 +50,7 @@ def _meta(engine: Engine, bundle: str) -> dict:
 
 def save(path, engine: Engine, position: int, bundle: str) -> None:
     """Write the caches of engine.tokens[:position] (see Engine.caches) to `path`, atomically."""
-    arrays = {"tokens": np.asarray(engine.tokens[:position], np.int32)}
+    arrays = {"tokens": np.asarray(engine.tokens[:position], np.int64)}
     for k, chunk in enumerate(engine.caches(position), 1):
         arrays.update({f"chunk_{k}/{name}": a for name, a in chunk.items()})
     buffer = io.BytesIO()

@@ -19,6 +19,7 @@ from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
 from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
 from .drafter import open_drafter
+from .encoder import expand_images, image_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
 from .sampling import BAN, Sampler, SamplingParams
@@ -94,10 +95,11 @@ class Model:
         config: dict,
         backend: str,
         drafter=None,
+        images=None,
     ):
         self.root, self.engine, self.tokenizer, self.template = root, engine, tokenizer, template
         self.generation, self.config, self.backend = generation, config, backend
-        self.drafter = drafter
+        self.drafter, self.images = drafter, images  # images: the bundle's encoder.ImageEncoder, if it has one
         eos = generation.get("eos_token_id", [])
         eos = eos if isinstance(eos, list) else [eos]
         # <|tool_response> too: after its calls the model would go on to write the tool's answer itself
@@ -250,20 +252,20 @@ class Model:
             params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
         constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
         drafts = self._drafts(draft_tokens, constraint)
-        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
-        if len(ids) > self.context:
-            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
+        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
+        conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
+        sources = image_sources(conversation)
+        t0 = time.perf_counter()  # the images' encoding counts as prompt time
+        marks = self.turn_ends(conversation, ids, enable_thinking, tools) if conversation else []
+        ids, marks, self.engine.soft_tokens = expand_images(ids, marks, self.images, sources, self.context)
+        if len(ids) > self.context:
+            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, stop, tools=tools)
-        t0 = time.perf_counter()
-        marks = (
-            []
-            if raw and messages is None
-            else self.turn_ends(_conversation(prompt, messages, system), ids, enable_thinking, tools)
-        )
         reused, logits = self.engine.prompt(ids, marks)
-        sampler, spec = Sampler(params, history=ids), _Speculation()
+        # the penalties count text tokens (an image's keys are no vocabulary ids)
+        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0]), _Speculation()
         steps = (
             self._speculate(logits, sampler, drafts, max_tokens, spec)
             if drafts
@@ -474,7 +476,8 @@ def load(
     generation = read_json(gen_path) if gen_path.is_file() else {}
     config = read_json(root / "model_config.json")
     drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
-    return Model(root, engine, tokenizer, _template(root / "hf_model"), generation, config, backend, drafter)
+    images = open_image_encoder(root, backend, precision, compute_units, config)
+    return Model(root, engine, tokenizer, _template(root / "hf_model"), generation, config, backend, drafter, images)
 
 
 def _template(hf: Path) -> ChatTemplate:

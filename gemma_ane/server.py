@@ -5,6 +5,10 @@ generations one at a time, in arrival order, from a bounded queue (a full queue 
 the model's prefix reuse carries from one request to the next. Requests are validated and
 tokenised before they queue, so a bad one fails at once instead of after waiting its turn.
 
+Images come as OpenAI's image_url parts holding data: URLs; the server decodes the base64 once and checks each
+file's size and its header's pixel count (Pillow, the `vision` extra) before the request queues. It never
+fetches a remote URL for a client.
+
 Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
 register `serve` and the runtime stays usable without them.
 """
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
+import io
 import json
 import logging
 import math
@@ -30,6 +36,7 @@ from pathlib import Path
 from . import grammar
 from .chat import ChatError
 from .engine import ContextOverflow
+from .images import ImageError, _pil, data_url_bytes
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
 from .tools import ToolError, check_tool_choice, check_tools
@@ -37,6 +44,7 @@ from .tools import ToolError, check_tool_choice, check_tools
 log = logging.getLogger("gemma_ane.server")
 
 API_KEY_ENV = "GEMMA_ANE_API_KEY"
+TEXT_BODY = 1_000_000  # bytes: a request body without images
 _END = object()  # the worker's last item for a job: nothing more will come
 
 
@@ -229,7 +237,27 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
     return value
 
 
-def _messages(body: dict) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class ImageLimits:
+    """What the images of one request may be; each is checked before the request queues."""
+
+    max_image_bytes: int = 10_000_000  # an image's file, decoded from base64
+    max_image_pixels: int = 40_000_000  # width * height, from the file's header
+    max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
+
+    def __post_init__(self):
+        for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+
+    def max_body(self, model) -> int:
+        """The default body limit: text, plus max_images files as base64 when the model takes images."""
+        if getattr(model, "images", None) is None:
+            return TEXT_BODY
+        return TEXT_BODY + self.max_images * 4 * -(-self.max_image_bytes // 3)
+
+
+def _messages(body: dict, model, limits: ImageLimits) -> list[dict]:
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -240,17 +268,10 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"{where}: expected an object with a string 'role'", param=where)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise APIError(
-                    400,
-                    f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                    param=f"{where}.content",
-                )
+            content = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
         elif content is not None and not isinstance(content, str):
             raise APIError(
-                400, f"{where}.content: expected a string or an array of text parts", param=f"{where}.content"
+                400, f"{where}.content: expected a string or an array of content parts", param=f"{where}.content"
             )
         # OpenAI's newer clients send system prompts as "developer"
         message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
@@ -262,7 +283,82 @@ def _messages(body: dict) -> list[dict]:
         if m.get("tool_calls") is not None:
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
+    _images(out, model, limits)
     return out
+
+
+def _part(part, where: str) -> dict:
+    """A content part, checked for its shape: text, or OpenAI's image_url (a URL string, or {"url": ..., "detail":
+    ...}; detail has no effect, the bundle fixes an image's soft tokens). A copy: _images replaces the image's."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return dict(part)
+    if kind == "image_url":
+        url = part.get("image_url")
+        detail = url.get("detail") if isinstance(url, dict) else None
+        if not isinstance(url.get("url") if isinstance(url, dict) else url, str):
+            want = "{'url': 'data:image/png;base64,...'} or a URL string"
+            raise APIError(400, f"{where}.image_url: expected {want}", param=f"{where}.image_url")
+        if detail not in (None, "auto", "low", "high"):
+            param = f"{where}.image_url.detail"
+            raise APIError(400, f"{param}={detail!r}: expected 'auto', 'low' or 'high'", param=param)
+        return dict(part)
+    if kind == "text" or not isinstance(kind, str):
+        raise APIError(400, f"{where}: expected {{'type': 'text', 'text': a string}} or an image_url part", param=where)
+    raise APIError(400, f"{where}: part type {kind!r} is not supported (text and image_url)", param=where)
+
+
+def _images(messages: list[dict], model, limits: ImageLimits) -> None:
+    """Replaces each image_url part by {"type": "image", "image": the file's bytes}, as the runtime takes it, once
+    the request is within every limit: the model takes images, their count, then each file's size and pixels."""
+    found = [
+        (m["content"], j, f"messages[{i}].content[{j}]")
+        for i, m in enumerate(messages)
+        if isinstance(m["content"], list)
+        for j, p in enumerate(m["content"])
+        if p["type"] == "image_url"
+    ]
+    if not found:
+        return
+    if getattr(model, "images", None) is None:
+        where = found[0][2]
+        raise APIError(400, f"{where}: this model takes no images (its bundle has no vision model)", param=where)
+    if len(found) > limits.max_images:
+        message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
+        raise APIError(400, message, param="messages")
+    for content, j, where in found:
+        content[j] = {"type": "image", "image": _image_file(content[j]["image_url"], f"{where}.image_url", limits)}
+
+
+def _image_file(url, where: str, limits: ImageLimits) -> bytes:
+    """The file a data: URL holds, within the limits; a remote URL is refused (never fetched)."""
+    try:
+        data = data_url_bytes(url["url"] if isinstance(url, dict) else url, where)
+        if len(data) > limits.max_image_bytes:
+            message = f"{where}: the image is {len(data)} bytes, more than the limit of {limits.max_image_bytes}"
+            raise APIError(413, message, param=where, code="image_too_large")
+        width, height = _image_size(data, where)
+    except ImageError as e:
+        raise APIError(400, str(e), param=where) from None
+    if width * height > limits.max_image_pixels:
+        message = f"{where}: {width}x{height} pixels, more than the limit of {limits.max_image_pixels}"
+        raise APIError(413, message, param=where, code="image_too_large")
+    return data
+
+
+def _image_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) from the file's header: Pillow's open decodes no pixels (the runtime does, once)."""
+    Image, _ = _pil()
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{where}: not an image (or in a format Pillow cannot read)") from None
+    except Image.DecompressionBombError as e:  # over twice Pillow's MAX_IMAGE_PIXELS: the runtime refuses it too
+        raise APIError(413, f"{where}: {' '.join(str(e).split())}", param=where, code="image_too_large") from None
+    except Exception as e:  # a header cut short or damaged: SyntaxError, OSError, struct.error...
+        detail = " ".join(str(e).split())
+        raise ImageError(f"{where}: truncated or corrupt header ({type(e).__name__}: {detail})") from None
 
 
 def _tool_calls(calls, where: str) -> list:
@@ -347,9 +443,9 @@ class Request:
         self.prompt_tokens = 0
 
 
-def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
-    """Check every field's type and range (nothing about the prompt's length: that needs the
-    tokenizer, see `count_prompt`)."""
+def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits()) -> Request:
+    """Check every field's type and range, and the images against `limits` (nothing about the prompt's
+    length: that needs the tokenizer, see `count_prompt`)."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
         raise APIError(
@@ -370,7 +466,7 @@ def parse_request(body: dict, kind: str, model, model_name: str) -> Request:
     sampling["seed"] = _field(body, "seed", int)
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
-        kwargs["messages"] = _messages(body)
+        kwargs["messages"] = _messages(body, model, limits)
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
         kwargs["enable_thinking"] = _field(
             template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
@@ -473,6 +569,7 @@ class Render:
         self.chat = req.kind == "chat"
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.prompt_tokens = req.prompt_tokens  # count_prompt's; the last event's replaces it (see _ended)
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
         self.offset = 0  # legacy logprobs' text_offset
         self.calls = 0  # tool calls streamed so far: the next one's index
@@ -481,8 +578,14 @@ class Render:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _ended(self, ev) -> None:
+        """Takes the prompt's counts from the generation's last event. Its prompt_tokens is the runtime's, with
+        each image's soft tokens (count_prompt saw one placeholder an image); a model reporting 0 keeps ours."""
+        self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = ev.reused_tokens
+
     def usage(self) -> dict:
-        p, c = self.req.prompt_tokens, self.completion_tokens
+        p, c = self.prompt_tokens, self.completion_tokens
         return {
             "prompt_tokens": p,
             "completion_tokens": c,
@@ -519,7 +622,7 @@ class Render:
 
     def whole(self, events: list) -> dict:
         self.completion_tokens = sum(ev.token is not None for ev in events)
-        self.cached_tokens = events[-1].reused_tokens if events else 0
+        self._ended(events[-1])  # Generation renders only a generation that finished
         text = "".join(ev.text for ev in events)
         finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
         if self.chat:
@@ -579,7 +682,7 @@ class Render:
         elif ev.text or lp:
             out.append(self._chunk({"text": ev.text, "logprobs": lp, "finish_reason": None}))
         if ev.finish_reason:
-            self.cached_tokens = ev.reused_tokens
+            self._ended(ev)
             end = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk({**end, "logprobs": None, "finish_reason": ev.finish_reason}))
             if self.req.include_usage:
@@ -714,10 +817,21 @@ async def _read_json(request, max_body: int) -> dict:
     return body
 
 
-def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: int = 16, max_body: int = 1_000_000):
+def build_app(
+    model,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    max_body: int | None = None,
+    max_image_bytes: int = ImageLimits.max_image_bytes,
+    max_image_pixels: int = ImageLimits.max_image_pixels,
+    max_images: int = ImageLimits.max_images,
+):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
-    `gemma_ane.load` returns)."""
+    `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
+    `max_images` base64 images of `max_image_bytes` when the model takes images."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -726,6 +840,8 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
 
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images)
+    max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     vocab = Vocab(model.tokenizer)
     started = int(time.time())
@@ -762,7 +878,7 @@ def build_app(model, *, model_name: str, api_key: str | None = None, max_queue: 
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
-            req = parse_request(await _read_json(request, max_body), kind, model, model_name)
+            req = parse_request(await _read_json(request, max_body), kind, model, model_name, limits)
             req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
@@ -824,9 +940,13 @@ def serve(
     prompt_cache: str | None = None,
     allow_special_tokens: bool = False,
     draft_tokens: int = 0,
+    max_image_bytes: int = ImageLimits.max_image_bytes,
+    max_image_pixels: int = ImageLimits.max_image_pixels,
+    max_images: int = ImageLimits.max_images,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
-    file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again."""
+    file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
+    `max_image_*`, `max_images`: what one request's images may be (see ImageLimits)."""
     import uvicorn
 
     from .runtime import load
@@ -835,6 +955,7 @@ def serve(
         raise ValueError(f"port={port}: expected 0..65535")
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images)  # refused before the model loads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
@@ -843,7 +964,13 @@ def serve(
     model.use_drafts(draft_tokens)
     if prompt_cache:
         log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
-    app = build_app(model, model_name=Path(bundle).resolve().name, api_key=api_key, max_queue=max_queue)
+    app = build_app(
+        model,
+        model_name=Path(bundle).resolve().name,
+        api_key=api_key,
+        max_queue=max_queue,
+        **dataclasses.asdict(limits),
+    )
     # a stream still open at shutdown is cut after 5 s rather than holding the process
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
@@ -862,6 +989,9 @@ def _cmd_serve(a) -> int:
         prompt_cache=a.prompt_cache,
         allow_special_tokens=a.allow_special_tokens,
         draft_tokens=a.draft,
+        max_image_bytes=a.max_image_bytes,
+        max_image_pixels=a.max_image_pixels,
+        max_images=a.max_images,
     )
     return 0
 
@@ -890,6 +1020,28 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="K",
         help="speculative decoding for every request: the bundle's drafter proposes K tokens a verify call",
+    )
+    limits = ImageLimits()
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=limits.max_image_bytes,
+        metavar="N",
+        help=f"largest image file a request may send, decoded from base64 (default {limits.max_image_bytes})",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.max_image_pixels,
+        metavar="N",
+        help=f"largest width*height of an image (default {limits.max_image_pixels})",
+    )
+    p.add_argument(
+        "--max-images",
+        type=int,
+        default=limits.max_images,
+        metavar="N",
+        help=f"most images in one request (default {limits.max_images}); images come as data: URLs, never fetched",
     )
     p.set_defaults(fn=_cmd_serve)
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .files import building
-from .tokenizer_files import write_tokenizer_files
+from .tokenizer_files import TINY_MEDIA_TOKENS, write_tokenizer_files
 
 S, F = "sliding_attention", "full_attention"
 
@@ -230,23 +230,70 @@ def _randomize(model, seed: int, post_norm: float = 1.0, embed: float = 1.0) -> 
         layer.layer_scalar.copy_(uniform(1, 0.4, 1.6))
 
 
+# The vision tower: E2B's shape (clipped linears, kv heads = heads, head dim a multiple of 4, 3 x 3 pooling) at a
+# width whose weights palettize (>= 2048 values, output channels in groups of 32), with a position table covering
+# every image up to 280 soft tokens (840 patches a side) and 4-pixel patches, so small images make many tokens.
+VISION = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    global_head_dim=16,
+    position_embedding_size=1024,
+    patch_size=4,
+    use_clipped_linears=True,
+)
+# config.json's ids of the image tokens: the tiny tokenizer's (tokenizer_files.TINY_MEDIA_TOKENS)
+MEDIA_TOKEN_IDS = {i: name for i, name in zip(TINY_MEDIA_TOKENS, ("boi_token_id", "image_token_id", "eoi_token_id"))}
+
+
+def _randomize_vision(model, seed: int = 0) -> None:
+    """Well-conditioned random weights for the vision tower (_randomize's rules): projections to unit scale, norm
+    weights far from 1, q/k norms well below 1 (attention is not scaled), a random position table, and clip bounds
+    that bite (activations are ~unit scale), except the last layer's output bounds: -inf as transformers
+    initialises them, and 1e30 (beyond fp16: the converter must leave both out)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def uniform(shape, lo, hi):
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    last = f"layers.{VISION['num_hidden_layers'] - 1}."
+    text_width = model.config.text_config.hidden_size
+    for module in (model.model.vision_tower, model.model.embed_vision):
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if "rotary_emb" in name or (last in name and "output_min" in name):
+                continue
+            if name == "embedding_projection.weight":
+                # soft tokens as wide as the scaled token embeddings (~2 sqrt(H) a coordinate): much smaller ones
+                # leave the image positions' logits close together, where any rounding of a soft token flips them
+                value = torch.randn(t.shape, generator=g) * 2 * math.sqrt(text_width) / math.sqrt(t.shape[-1])
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                value = uniform(t.shape, 0.25, 0.75)
+            elif name.endswith("norm.weight"):
+                value = uniform(t.shape, 0.5, 2.0)
+            elif name.endswith("position_embedding_table"):
+                value = torch.randn(t.shape, generator=g)
+            elif name.endswith("_min"):
+                value = -uniform((), 1.0, 3.0)
+            elif last in name and name.endswith("output_max"):
+                value = torch.tensor(1e30)
+            elif name.endswith("_max"):
+                value = uniform((), 1.0, 3.0)
+            else:
+                value = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+            t.data.copy_(value)
+
+
 def build_model(preset: str, seed: int = 0):
-    """A Gemma4ForConditionalGeneration with random weights and tiny vision/audio towers."""
+    """A Gemma4ForConditionalGeneration with random weights, a small vision tower and a tiny audio one."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     torch.manual_seed(seed)
-    vision = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=8,
-        position_embedding_size=64,
-        patch_size=4,
-    )
     audio = dict(
         hidden_size=16,
         num_hidden_layers=1,
@@ -257,14 +304,16 @@ def build_model(preset: str, seed: int = 0):
     )
     config = Gemma4Config(
         text_config=text_config(preset),
-        vision_config=vision,
+        vision_config=VISION,
         audio_config=audio,
         eos_token_id=[1, 106],
         tie_word_embeddings=True,
+        **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
     )
     model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
         _randomize(model, seed, **CONDITIONING.get(preset, {}))
+        _randomize_vision(model, seed)
     return model
 
 

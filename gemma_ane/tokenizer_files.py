@@ -6,7 +6,8 @@ round-trips any text, while staying a few kilobytes.
 
 Layout of the vocabulary built here:
 
-- ids 0..127: special tokens. Gemma 4's own ones sit at their real ids; the gaps hold ``<unusedN>``.
+- ids 0..127: special tokens. Gemma 4's own ones sit at their real ids, the image tokens at 120..122
+  (``TINY_MEDIA_TOKENS``); the gaps hold ``<unusedN>``.
 - ids 128..383: the 256 byte symbols of the GPT-2 byte-level alphabet, id = 128 + byte, so every
   string is encodable and decodes back byte for byte.
 - ids 384..: BPE merges learned from ``_CORPUS``, then ``<unusedN>`` specials if the corpus runs out
@@ -24,11 +25,22 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from .files import write_atomic, write_json
 from .tokens import SPECIAL_TOKENS, byte_symbols
 
-__all__ = ["GEMMA4_CHAT_TEMPLATE", "MIN_VOCAB_SIZE", "SPECIAL_TOKENS", "build_tokenizer", "write_tokenizer_files"]
+__all__ = [
+    "GEMMA4_CHAT_TEMPLATE",
+    "MIN_VOCAB_SIZE",
+    "SPECIAL_TOKENS",
+    "TINY_MEDIA_TOKENS",
+    "build_tokenizer",
+    "write_tokenizer_files",
+]
 
 _SPECIAL_BLOCK = 128
 _BYTE_BASE = _SPECIAL_BLOCK
 MIN_VOCAB_SIZE = _BYTE_BASE + 256
+# The image tokens (begin, placeholder, end): the real tokenizer has them at 255999, 258880 and 258882, past any
+# tiny vocabulary, so here they take free ids of the special block, and a tiny config.json names these ids (its
+# boi/image/eoi_token_id) as the real one names its own. Nothing hard-codes either set: bundles carry the ids.
+TINY_MEDIA_TOKENS = {120: "<|image>", 121: "<|image|>", 122: "<image|>"}
 
 # Same as the E2B config's max_position_embeddings; the bundle's own context limit is enforced elsewhere.
 _MODEL_MAX_LENGTH = 131072
@@ -54,7 +66,13 @@ GEMMA4_CHAT_TEMPLATE = """\
     {%- if content is string -%}
         {{- content | trim -}}
     {%- else -%}
-        {{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') | trim -}}
+        {%- for part in content -%}
+            {%- if part['type'] == 'text' -%}
+                {{- part['text'] | trim -}}
+            {%- elif part['type'] in ['image', 'image_url'] -%}
+                {{- '<|image|>' -}}
+            {%- endif -%}
+        {%- endfor -%}
     {%- endif -%}
     {{- '<turn|>\\n' -}}
 {%- endfor -%}
@@ -162,7 +180,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
             f"vocab_size must be >= {MIN_VOCAB_SIZE} ({_SPECIAL_BLOCK} special ids + 256 byte symbols), "
             f"got {vocab_size}"
         )
-    specials = [SPECIAL_TOKENS.get(i, f"<unused{i}>") for i in range(_SPECIAL_BLOCK)]
+    specials = [SPECIAL_TOKENS.get(i) or TINY_MEDIA_TOKENS.get(i, f"<unused{i}>") for i in range(_SPECIAL_BLOCK)]
     vocab = {token: i for i, token in enumerate(specials)}
     for byte, symbol in enumerate(byte_symbols()):
         vocab[symbol] = _BYTE_BASE + byte

@@ -99,10 +99,14 @@ def oracle_logits(model, ids: np.ndarray) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
-def random_ids(spec: ModelSpec, n: int, seed: int) -> np.ndarray:
+def random_ids(spec: ModelSpec, n: int, seed: int, avoid=()) -> np.ndarray:
+    """n ids past the control tokens (so the sequence looks like text to the embedding table), none in `avoid`."""
     rng = np.random.default_rng(seed)
-    # Skip the control ids so the sequence looks like text to the model's embedding table.
-    return rng.integers(low=min(107, spec.vocab_size - 1), high=spec.vocab_size, size=n)
+    ids = rng.integers(low=min(107, spec.vocab_size - 1), high=spec.vocab_size, size=n)
+    while np.isin(ids, avoid).any():
+        bad = np.isin(ids, avoid)
+        ids[bad] = rng.integers(low=min(107, spec.vocab_size - 1), high=spec.vocab_size, size=int(bad.sum()))
+    return ids
 
 
 def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int) -> np.ndarray:
@@ -164,38 +168,110 @@ def verify_graph(
 
 
 def verify_bundle(
-    src, bundle, tokens: int = 64, precision: str = "fp16", seed: int = 0, prompt_len: int | None = None
+    src,
+    bundle,
+    tokens: int = 64,
+    precision: str = "fp16",
+    seed: int = 0,
+    prompt_len: int | None = None,
+    images: list = (),
 ) -> dict:
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
-    sidecars, against transformers fed the same dequantised tables."""
-    from .bundle import open_engine
+    sidecars, against transformers fed the same dequantised tables. With `images` (paths, bytes or PIL
+    images), the prompt holds them too, spread through its text: their soft tokens come from the bundle's
+    vision model, and the oracle is Gemma4ForConditionalGeneration fed the same pixels. `tokens` counts the
+    text positions; every image adds its own."""
+    from .bundle import open_engine, read_model_config
+    from .encoder import open_image_encoder
 
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
     ckpt = Checkpoint(src)
     ckpt.validate()
     engine = open_engine(bundle, "mil", precision)
-    if not 2 <= tokens <= engine.context:
-        raise ValueError(f"--tokens {tokens}: must be in [2, context={engine.context}]")
+    encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle)) if images else None
+    if images and encoder is None:
+        raise ValueError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
     prompt_len = _prompt_len(prompt_len, tokens)
-    ids = random_ids(ckpt.spec, tokens, seed)
-    ours = run_engine(engine, ids, prompt_len)
+    ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
+    soft = [encoder.encode(image, f"image {i + 1}") for i, image in enumerate(images)]
+    ids, prompt_len = _with_images(ids, prompt_len, soft, encoder)
+    if not 2 <= len(ids) <= engine.context:
+        raise ValueError(f"--tokens {tokens}: {len(ids)} positions with the images; must be in [2, {engine.context}]")
+    engine.soft_tokens = {k: row for image in soft for k, row in zip(image.keys, image.rows)}
+    ours = run_engine(engine, np.asarray(ids), prompt_len)
     host = engine.host
     tables = {k: np.asarray(getattr(host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
-    ref = oracle_logits(oracle_model(ckpt, tables), ids)
+    if images:
+        ref = _oracle_with_images(ckpt, tables, ids, images, encoder)
+    else:
+        ref = oracle_logits(oracle_model(ckpt, tables), ids)
     report = {
         "mode": "bundle",
         "precision": precision,
-        "positions": tokens,
+        "positions": len(ids),
         "prompt_tokens": prompt_len,
+        "image_tokens": sum(len(image.keys) for image in soft),
         "context": engine.context,
         "window": engine.window,
         "seed": seed,
         **compare(ours, ref),
     }
-    report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), ids))
+    if images:  # what generation reads: the rows of text (an image row's logits feed nothing)
+        text = np.asarray(ids) >= 0
+        report["text_positions"] = compare(ours[text], ref[text])
+    else:
+        report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), ids))
     report["passed"] = passed(report)
     return report
+
+
+def _with_images(ids: np.ndarray, prompt_len: int, soft: list, encoder) -> tuple[list[int], int]:
+    """The prompt's text with each image (begin, its soft-token keys, end) placed at evenly spaced points in it;
+    the decoded text follows. Returns (ids, the new prompt length)."""
+    ids = [int(t) for t in ids]
+    if not soft:
+        return ids, prompt_len
+    boi, _, eoi = encoder.token_ids
+    cuts = [round(prompt_len * (i + 1) / (len(soft) + 1)) for i in range(len(soft))]
+    out, start = [], 0
+    for cut, image in zip(cuts, soft):
+        out += ids[start:cut] + [boi, *image.keys, eoi]
+        start = cut
+    return out + ids[start:], prompt_len + sum(len(image.keys) + 2 for image in soft)
+
+
+def _oracle_with_images(ckpt: Checkpoint, tables: dict, ids: list[int], images: list, encoder) -> np.ndarray:
+    """transformers' Gemma4ForConditionalGeneration (fp32) over the same prompt: each soft-token key becomes the
+    image placeholder id, and the images arrive as pixels (our preprocessing, equal to transformers' processor:
+    tests/test_images.py). Embedding tables as oracle_model's: their int8 round trip, the head untied."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    from .images import preprocess
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(ckpt.root, dtype=torch.float32, attn_implementation="eager")
+    lm = model.model.language_model
+    head = lm.embed_tokens.weight.detach().clone()
+    with torch.no_grad():
+        for name, q, s in (
+            ("embed_tokens", "embed_q", "embed_scales"),
+            ("embed_tokens_per_layer", "ple_q", "ple_scales"),
+        ):
+            getattr(lm, name).weight.copy_(torch.from_numpy(dequantize_rows(tables[q], tables[s], 1.0)))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head)
+    e = encoder.entry
+    patches = [preprocess(i, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"]) for i in images]
+    placeholder = encoder.token_ids[1]
+    with torch.no_grad():
+        out = model.eval()(
+            input_ids=torch.tensor([[t if t >= 0 else placeholder for t in ids]]),
+            pixel_values=torch.from_numpy(np.stack([p.pixel_values for p in patches])),
+            image_position_ids=torch.from_numpy(np.stack([p.positions for p in patches])).long(),
+            use_cache=False,
+        )
+    return out.logits[0].float().numpy()
 
 
 def _prompt_len(prompt_len, tokens):

@@ -5,8 +5,8 @@ checkpoint (`model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight`
 
 Shaped for the ANE as the chunks are (graph.py): batch 1, static shapes (budget * k^2 patches, padded, so one
 compiled model serves every aspect ratio), every projection an nn.Linear, RMSNorm safe in fp16. Everything that
-depends on where a patch lies arrives as an input computed by the host (`encoder_inputs`), as the chunks get their
-RoPE rows and masks:
+depends on where a patch lies arrives as an input computed by the host (`encoder.encoder_inputs`), as the chunks
+get their RoPE rows and masks:
 - the learned position embeddings are a lookup in a table of 2 x 10,240 rows: a gather, which the ANE does badly
   (int32 indices, a 15.7M-value table), or a one-hot matmul (3 GMAC and a (patches, rows) one-hot per axis). The
   host reads the rows instead, from a sidecar holding only the rows a budget can reach (budget * k per axis);
@@ -23,7 +23,6 @@ token embeddings are (Gemma4Model.forward's masked_scatter).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,21 +35,17 @@ from .checkpoint import Checkpoint, CheckpointError
 from .convert import (
     ConvertError,
     ConvertOptions,
-    _quiet_coremltools,
     _save_npy,
-    _temp_files_in,
-    compile_package,
-    finish_function,
-    merge_functions,
+    save_one_function,
     trace_function,
 )
 from .graph import RMSNorm
-from .host import MASK_BLOCKED
-from .images import SOFT_TOKEN_BUDGETS, Patches
+from .images import SOFT_TOKEN_BUDGETS
 from .spec import Chunk, Tensor
 
 FUNCTION = "encode"
 TABLE_FILE = "vision_position_embeddings.npy"  # (2, budget * k, hidden) fp16: x rows, then y rows
+TOKEN_IDS = {"boi_token_id": 255999, "image_token_id": 258880, "eoi_token_id": 258882}  # transformers' defaults
 BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # Gemma4ClippableLinear's buffers
 
 
@@ -70,6 +65,7 @@ class VisionSpec:
     rope_theta: float
     rms_norm_eps: float
     text_hidden_size: int
+    token_ids: tuple[int, int, int]  # begin-of-image, the placeholder, end-of-image (config.json's)
 
     @classmethod
     def from_config(cls, config: dict) -> VisionSpec | None:
@@ -92,6 +88,7 @@ class VisionSpec:
                 rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 100.0)),
                 rms_norm_eps=v["rms_norm_eps"],
                 text_hidden_size=config["text_config"]["hidden_size"],
+                token_ids=tuple(config.get(k, d) for k, d in TOKEN_IDS.items()),
             )
         except KeyError as e:
             raise ConvertError(f"config.json: vision_config has no {e.args[0]}") from None
@@ -113,34 +110,6 @@ class VisionSpec:
 
 def read_spec(root: str | Path) -> VisionSpec | None:
     return VisionSpec.from_config(json.loads((Path(root) / "config.json").read_text()))
-
-
-# -- the host's inputs (numpy) --------------------------------------------------------------------------------
-
-
-def encoder_inputs(patches: Patches, table: np.ndarray, head_dim: int, rope_theta: float, k: int) -> dict:
-    """`encode`'s inputs for one image (images.preprocess's Patches), in cell order (module doc); `table` is the
-    (2, rows, hidden) position table, x rows then y rows. Numpy only: this is the runtime's half."""
-    rows, cols = patches.grid
-    n = rows * cols
-    x, y = patches.positions[:n, 0], patches.positions[:n, 1]
-    cell = (y // k) * (cols // k) + x // k  # transformers' pooled index: cells row by row
-    order = np.concatenate([np.argsort(cell, kind="stable"), np.arange(n, len(patches.positions))])
-    pos = patches.positions[order]
-    valid = pos[:, 0] >= 0
-    xy = np.maximum(pos, 0)
-    emb = (table[0][xy[:, 0]].astype(np.float32) + table[1][xy[:, 1]]) * valid[:, None]
-    # axial RoPE (Gemma4VisionRotaryEmbedding): the first half of a head rotates by x, the second by y
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
-    f = pos[:, :, None].astype(np.float32) * inv_freq  # (N, 2, head_dim / 4), in fp32 as transformers
-    angle = np.concatenate([f[:, 0], f[:, 0], f[:, 1], f[:, 1]], axis=-1)
-    return {
-        "pixel_values": patches.pixel_values[order][None],
-        "position_embeddings": emb[None],
-        "cos": np.cos(angle).T[None, None],  # (1, 1, head_dim, N): heads are laid out (1, heads, D, N)
-        "sin": np.sin(angle).T[None, None],
-        "attention_mask": np.where(valid, 0, MASK_BLOCKED).astype(np.float16)[None, None, None],
-    }
 
 
 # -- the model --------------------------------------------------------------------------------------------------
@@ -385,6 +354,7 @@ def config_entry(spec: VisionSpec, image_tokens: int) -> dict:
         "head_dim": spec.head_dim,
         "rope_theta": spec.rope_theta,
         "position_table": TABLE_FILE,
+        **dict(zip(TOKEN_IDS, spec.token_ids)),
     }
 
 
@@ -411,21 +381,6 @@ def convert_vision(
             _save_npy(out / TABLE_FILE, position_table(ckpt, spec, image_tokens))
     finally:
         ckpt.close()
-    work = out / ".work"
-    work.mkdir(exist_ok=True)
-    path, skipped = work / f"vision.{FUNCTION}.mlpackage", set()
     prog = trace_function(model, model.chunk, FUNCTION, timer)
-    del model
-    finish_function(prog, options, {}, timer, skipped, path)
-    if skipped:
-        print(f"note: {len(skipped)} weight(s) of the vision model stay fp16 (e.g. {sorted(skipped)[0]})")
-    final = out / "vision.mlpackage"
-    with timer("merge"), _quiet_coremltools(), _temp_files_in(work):
-        merge_functions({FUNCTION: path}, final, default=FUNCTION)  # names the function `encode`
-    shutil.rmtree(work)
-    if not compile_:
-        return final
-    with timer("compile"):
-        compile_package(final, out / "vision.mlmodelc")
-        shutil.rmtree(final)
-    return out / "vision.mlmodelc"
+    del model  # the program holds its own fp16 weights now
+    return save_one_function(prog, FUNCTION, "vision", options, out, timer, compile_)

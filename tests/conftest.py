@@ -15,7 +15,16 @@ os.environ["GEMMA_ANE_STRICT"] = "1"
 # Fixtures that convert a bundle (each conversion costs 30-60 s): every test that uses one, directly
 # or through another fixture, is slow; so are tests marked by hand (a conversion of their own, or a
 # long oracle run). `pytest -m "not slow"` is the fast loop; CI runs everything.
-CONVERTING = {"tiny_bundle16", "tiny_bundle4", "tiny_published", "bundle", "bundle16", "bundle4", "gqa16"}
+CONVERTING = {
+    "tiny_bundle16",
+    "tiny_bundle4",
+    "tiny_published",
+    "vision_bundle",
+    "bundle",
+    "bundle16",
+    "bundle4",
+    "gqa16",
+}
 
 
 def pytest_collection_modifyitems(items):
@@ -93,10 +102,12 @@ def copy_ckpt(tmp_path):
 
 
 def _convert(src: Path, out: Path, **options) -> None:
-    """Convert into `out`, and keep the stage timings beside it (for test_convert)."""
+    """Convert into `out`, and keep the stage timings beside it (for test_convert). Text only unless asked: the
+    vision model costs a conversion of its own (`vision_bundle`)."""
     from gemma_ane.convert import ConvertOptions, convert
 
-    seconds = convert(str(src), str(out), ConvertOptions(context=128, **options), progress=False)
+    options = {"context": 128, "vision": False, **options}
+    seconds = convert(str(src), str(out), ConvertOptions(**options), progress=False)
     (out.parent / "seconds.json").write_text(json.dumps(seconds))
 
 
@@ -111,6 +122,16 @@ def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
         _convert(tiny_e2b, d / "bundle", bits=16, force=True)
 
     return built_once(tmp_path_factory, "bundle16", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def vision_bundle(tiny_e2b, tmp_path_factory) -> Path:
+    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text)."""
+
+    def build(d: Path):
+        _convert(tiny_e2b, d / "bundle", bits=16, context=256, vision=True, image_tokens=70)
+
+    return built_once(tmp_path_factory, "vision_bundle", build) / "bundle"
 
 
 @pytest.fixture(scope="session")

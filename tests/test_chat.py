@@ -100,6 +100,14 @@ CASES = {
         [system(parts("Be ", "brief.")), user(parts("Hello ", " world"))],
         "Be brief. <turn|>\n<|turn>user\nHelloworld<turn|>\n",
     ),
+    # an image part is its placeholder, where it stands among the text parts (the runtime expands it)
+    "images": (
+        [
+            user([{"type": "image", "image": "cat.png"}, *parts(" What is this? "), {"type": "image_url"}]),
+            assistant("A cat."),
+        ],
+        "<|turn>user\n<|image|>What is this?<|image|><turn|>\n",
+    ),
     "consecutive-assistants": (
         [user("Hi"), assistant("Part one."), assistant("Part two.")],
         "<|turn>model\nPart one.Part two.<turn|>\n",
@@ -181,8 +189,8 @@ def test_template_exception_is_a_chat_error_with_its_message(template, hf_tok):
     [
         ([user("Hi"), {"role": "critic", "content": "42"}], "unknown role 'critic'"),
         ([{"content": "Hi"}], "unknown role None"),
-        ([user([{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is this?"}])], "text-only"),
-        ([user(42)], "string or a list of text parts"),
+        ([user([{"type": "audio", "audio": "a.wav"}, {"type": "text", "text": "What is this?"}])], "text and image"),
+        ([user(42)], "string or a list of text and image parts"),
     ],
 )
 def test_builtin_formatter_refuses_what_it_cannot_render(messages, error):

@@ -432,7 +432,7 @@ BAD_REQUESTS = [
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
-        "messages[0].content",
+        "messages[0].content[0].image_url",
         None,
     ),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
@@ -666,6 +666,9 @@ class FakeModel:
 
     def prompt_ids(self, prompt=None, messages=None, raw=False, enable_thinking=False, system=None):
         return [2] * (5 + 3 * enable_thinking)
+
+    def use_drafts(self, draft_tokens):
+        self.draft_tokens = draft_tokens
 
     def stream_generate(self, prompt=None, messages=None, **kw):
         self.calls.append({"prompt": prompt, "messages": messages, **kw})
@@ -902,8 +905,10 @@ def test_the_published_head_refuses_logit_bias(fake_client):
         assert _post(http, "chat", {"temperature": 0}).status_code == 200
 
 
-@pytest.mark.parametrize("flags, allowed", [([], False), (["--allow-special-tokens"], True)])
-def test_serve_decides_whether_user_text_may_spell_control_tokens(monkeypatch, tmp_path, flags, allowed):
+@pytest.mark.parametrize(
+    "flags, allowed, drafts", [([], False, 0), (["--allow-special-tokens"], True, 0), (["--draft", "2"], False, 2)]
+)
+def test_serve_passes_its_startup_options_to_the_model(monkeypatch, tmp_path, flags, allowed, drafts):
     import uvicorn
 
     import gemma_ane.runtime
@@ -915,3 +920,4 @@ def test_serve_decides_whether_user_text_may_spell_control_tokens(monkeypatch, t
     assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
     [app] = served
     assert app.state.worker.model.allow_special_tokens is allowed
+    assert app.state.worker.model.draft_tokens == drafts

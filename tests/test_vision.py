@@ -3,7 +3,6 @@ placeholders: the PyTorch module in fp32, then the converted vision.mlpackage ru
 4 bits, on images of several aspect ratios through one static-shape function."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -13,9 +12,10 @@ from PIL import Image
 from gemma_ane.audit import FUNCTION_CHECKS
 from gemma_ane.backend import MILBackend
 from gemma_ane.convert import ConvertError, ConvertOptions, StageTimer
+from gemma_ane.encoder import encoder_inputs
 from gemma_ane.images import preprocess
 from gemma_ane.package import Package
-from gemma_ane.tiny import _randomize, _save, checkpoint_dir, text_config
+from gemma_ane.tiny import VISION, _randomize, _randomize_vision, _save, checkpoint_dir, text_config
 from gemma_ane.vision import (
     BOUNDS,
     FUNCTION,
@@ -23,60 +23,12 @@ from gemma_ane.vision import (
     VisionSpec,
     convert_vision,
     encode_io,
-    encoder_inputs,
     load_vision,
     open_vision,
 )
 
-BUDGET, K, PATCH = 70, 3, 4
-# A vision tower shaped like E2B's (clipped linears, kv heads = heads, head dim a multiple of 4) at a width whose
-# weights palettize (>= 2048 values, output channels in groups of 32), with a position table covering every image
-# at BUDGET (210 patches a side). tiny.py's own tower (hidden 16, table of 64 rows, default init: position rows all
-# ones, weights of std 0.02) is too small and too uniform to tell a wrong formula apart.
-VISION = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=16,
-    global_head_dim=16,
-    position_embedding_size=1024,
-    patch_size=PATCH,
-    use_clipped_linears=True,
-)
+BUDGET, K, PATCH = 70, 3, VISION["patch_size"]
 SIZES = [(37, 50), (120, 40), (64, 64), (30, 90), (9, 20), (200, 48)]  # (height, width): 4:3 ... 1:4, upscaled
-
-
-def _randomize_vision(model, seed: int = 0) -> None:
-    """Well-conditioned random weights (tiny._randomize's rules): projections to unit scale, norm weights far from
-    1, a random position table, and clip bounds that bite (activations are ~unit scale), except the last layer's
-    output bounds: -inf as transformers initialises them, and 1e30 (beyond fp16: the converter must leave both out)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def uniform(shape, lo, hi):
-        return torch.rand(shape, generator=g) * (hi - lo) + lo
-
-    last = f"layers.{VISION['num_hidden_layers'] - 1}."
-    for module in (model.model.vision_tower, model.model.embed_vision):
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if "rotary_emb" in name or (last in name and "output_min" in name):
-                continue
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                value = uniform(t.shape, 0.25, 0.75)  # attention scale 1.0: these set the softmax temperature
-            elif name.endswith("norm.weight"):
-                value = uniform(t.shape, 0.5, 2.0)
-            elif name.endswith("position_embedding_table"):
-                value = torch.randn(t.shape, generator=g)
-            elif name.endswith("_min"):
-                value = -uniform((), 1.0, 3.0)
-            elif last in name and name.endswith("output_max"):
-                value = torch.tensor(1e30)
-            elif name.endswith("_max"):
-                value = uniform((), 1.0, 3.0)
-            else:
-                value = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
-            t.data.copy_(value)
 
 
 @pytest.fixture(scope="module")

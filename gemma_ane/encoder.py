@@ -1,0 +1,202 @@
+"""Image soft tokens at run time: an image's pixels through the bundle's vision model (`vision.mlpackage`, one
+function `encode`) into the rows that replace its placeholders in the prompt.
+
+The engine tells tokens apart by id, and prefix reuse compares ids; an image has no ids, so each of its soft
+tokens gets a key of its own: a negative number made of a hash of the decoded pixels and the token's index
+(`soft_keys`). The same picture always gets the same keys, so a follow-up question about it reuses the caches
+like any repeated text, and the encoder keeps its newest results by that hash, so the image is not encoded
+again. Keys never reach the vocabulary: the engine embeds a negative id as its soft token's row, with the
+per-layer embedding of the pad token (transformers replaces multimodal ids by the pad id for that lookup).
+
+A second modality (audio) gets an encoder of the same shape: `encode(source)` -> SoftTokens.
+
+Torch-free: this is the runtime side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .backend import open_one_function
+from .bundle import BundleError, _load_npy
+from .engine import ContextOverflow
+from .host import MASK_BLOCKED
+from .images import ImageError, Patches, data_url_bytes, load_image, preprocess
+
+FUNCTION = "encode"
+OTHER_MEDIA = ("audio", "input_audio", "video")  # parts Gemma 4's template renders that this runtime cannot encode
+KEY_BITS = 11  # a soft token's index within its image: up to 2048 (the largest budget is 1120)
+CACHED_IMAGES = 8  # encoded images kept, newest first: a chat's pictures are not encoded twice
+
+
+@dataclass(frozen=True)
+class SoftTokens:
+    """One encoded image: its keys (the ids its placeholders take in the engine) and their rows (n, hidden)."""
+
+    keys: list[int]
+    rows: np.ndarray
+
+
+def soft_keys(digest: bytes, n: int) -> list[int]:
+    """n negative ids unique to this picture: 48 bits of its hash, then the index. Negative keeps them out of
+    every vocabulary; a prompt cache file stores them as int64."""
+    base = int.from_bytes(digest[:6], "big") << KEY_BITS
+    return [-(base + j) - 1 for j in range(n)]
+
+
+def pixel_digest(img) -> bytes:
+    """A hash of the picture as decoded (size and RGB bytes): equal pictures from any file or format agree."""
+    h = hashlib.blake2b(f"{img.width}x{img.height}".encode(), digest_size=16)
+    h.update(img.tobytes())
+    return h.digest()
+
+
+def encoder_inputs(patches: Patches, table: np.ndarray, head_dim: int, rope_theta: float, k: int) -> dict:
+    """`encode`'s inputs for one image (images.preprocess's Patches), in cell order: each k x k pooling cell's
+    patches consecutive, cells row by row (transformers' pooled order), padding after; the graph then pools with
+    a reshape (vision.py). `table` is the (2, rows, hidden) position table, x rows then y rows."""
+    rows, cols = patches.grid
+    n = rows * cols
+    x, y = patches.positions[:n, 0], patches.positions[:n, 1]
+    cell = (y // k) * (cols // k) + x // k
+    order = np.concatenate([np.argsort(cell, kind="stable"), np.arange(n, len(patches.positions))])
+    pos = patches.positions[order]
+    valid = pos[:, 0] >= 0
+    xy = np.maximum(pos, 0)
+    emb = (table[0][xy[:, 0]].astype(np.float32) + table[1][xy[:, 1]]) * valid[:, None]
+    # axial RoPE (Gemma4VisionRotaryEmbedding): the first half of a head rotates by x, the second by y
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
+    f = pos[:, :, None].astype(np.float32) * inv_freq  # (N, 2, head_dim / 4), in fp32 as transformers
+    angle = np.concatenate([f[:, 0], f[:, 0], f[:, 1], f[:, 1]], axis=-1)
+    return {
+        "pixel_values": patches.pixel_values[order][None],
+        "position_embeddings": emb[None],
+        "cos": np.cos(angle).T[None, None],  # (1, 1, head_dim, N): heads are laid out (1, heads, D, N)
+        "sin": np.sin(angle).T[None, None],
+        "attention_mask": np.where(valid, 0, MASK_BLOCKED).astype(np.float16)[None, None, None],
+    }
+
+
+class ImageEncoder:
+    """`encode(image)`: an image (path, bytes or PIL image) as SoftTokens, through the vision model; the newest
+    CACHED_IMAGES results kept by pixel hash. `encoded` counts the vision model's calls."""
+
+    def __init__(self, package, table: np.ndarray, entry: dict):
+        self.package, self.table, self.entry = package, table, entry
+        self.cache: OrderedDict[bytes, SoftTokens] = OrderedDict()
+        self.encoded = 0
+
+    @property
+    def token_ids(self) -> tuple[int, int, int]:
+        """(begin-of-image, image placeholder, end-of-image) ids of this bundle's tokenizer."""
+        e = self.entry
+        return e["boi_token_id"], e["image_token_id"], e["eoi_token_id"]
+
+    def prepare(self, image, what: str = "image") -> tuple[bytes, Patches | None]:
+        """(the picture's hash, its patches), or (hash, None) when it is cached: the cheap half of encode,
+        which tells how many soft tokens the image will take before the vision model runs."""
+        img = load_image(image, what)
+        digest = pixel_digest(img)
+        if digest in self.cache:
+            return digest, None
+        e = self.entry
+        return digest, preprocess(img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"], what)
+
+    def soft_tokens(self, prepared: tuple[bytes, Patches | None]) -> int:
+        digest, patches = prepared
+        return len(self.cache[digest].keys) if patches is None else patches.soft_tokens
+
+    def encode(self, image, what: str = "image", prepared=None) -> SoftTokens:
+        digest, patches = prepared or self.prepare(image, what)
+        if patches is None and digest not in self.cache:  # evicted by the prompt's other images since
+            digest, patches = self.prepare(image, what)
+        if patches is None:
+            self.cache.move_to_end(digest)
+            return self.cache[digest]
+        e = self.entry
+        x = encoder_inputs(patches, self.table, e["head_dim"], e["rope_theta"], e["pooling_kernel_size"])
+        out = np.asarray(self.package.predict(FUNCTION, x, None)["image_embeds"], np.float32)
+        self.encoded += 1
+        rows = out[0, : patches.soft_tokens]
+        if not np.isfinite(rows).all():
+            raise BundleError(f"vision: the soft tokens of {what} hold NaN or inf (damaged weights); re-convert")
+        tokens = SoftTokens(soft_keys(digest, len(rows)), rows)
+        self.cache[digest] = tokens
+        while len(self.cache) > CACHED_IMAGES:
+            self.cache.popitem(last=False)
+        return tokens
+
+
+def open_image_encoder(root: str | Path, backend: str, precision: str, compute_units: str, config: dict):
+    """The bundle's image encoder, or None when model_config.json states no vision model."""
+    entry = config.get("vision")
+    if entry is None:
+        return None
+    root = Path(root)
+    package = open_one_function(root, "vision", FUNCTION, "a vision model", backend, precision, compute_units)
+    path = root / entry["position_table"]
+    table = _load_npy(path)
+    width = package.interfaces[FUNCTION]["inputs"]["position_embeddings"]["shape"][-1]
+    need = (2, entry["image_tokens"] * entry["pooling_kernel_size"], width)
+    if table.shape != need:
+        raise BundleError(f"{path}: shape {table.shape}, expected {need} (x and y rows the budget reaches)")
+    return ImageEncoder(package, table, entry)
+
+
+# -- image prompts ----------------------------------------------------------------------------------------------
+
+
+def image_sources(messages: list) -> list[tuple[str, object]]:
+    """(where, source) of every image part in `messages`, in the order the chat template renders their
+    placeholders: {"type": "image", "image": path, bytes or PIL image} (or "path"), and OpenAI's
+    {"type": "image_url", "image_url": {"url": "data:..."}}."""
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind, where = part.get("type") if isinstance(part, dict) else None, f"messages[{i}].content[{j}]"
+            if kind in OTHER_MEDIA:
+                raise ImageError(f"{where}: {kind} input is not supported (text and images only)")
+            if kind == "image":
+                source = part.get("image", part.get("path"))
+                if source is None:
+                    raise ImageError(f"{where}: an image part needs 'image' (a path, bytes or a PIL image)")
+                found.append((where, source))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                found.append((where, data_url_bytes(url.get("url") if isinstance(url, dict) else url, where)))
+    return found
+
+
+def expand_images(ids: list[int], marks: list[int], encoder: ImageEncoder | None, sources: list, context: int):
+    """The prompt with each image placeholder (one id, as the template renders it) replaced by begin-of-image,
+    the image's soft-token keys and end-of-image, as transformers' processor expands it; `marks` (positions in
+    `ids`) moved with it. Returns (ids, marks, {key: row} for the engine). A prompt longer than `context` is
+    refused before any image is encoded."""
+    if encoder is None:
+        if sources:
+            raise ImageError(f"{sources[0][0]}: this bundle has no vision model (converted without one)")
+        return ids, marks, {}
+    boi, placeholder, eoi = encoder.token_ids
+    if ids.count(placeholder) != len(sources):
+        raise ImageError(f"the prompt holds {ids.count(placeholder)} image placeholder(s) for {len(sources)} image(s)")
+    prepared = [encoder.prepare(source, where) for where, source in sources]
+    n = len(ids) + sum(encoder.soft_tokens(p) + 1 for p in prepared)  # + begin and end, - the placeholder
+    if n > context:
+        raise ContextOverflow(f"prompt of {n} tokens (images included) exceeds the context of {context}")
+    images = iter([encoder.encode(s, w, p) for (w, s), p in zip(sources, prepared)])
+    out, moved, soft = [], {}, {}
+    for p, t in enumerate(ids):
+        moved[p] = len(out)
+        if t != placeholder:
+            out.append(t)
+            continue
+        image = next(images)
+        out += [boi, *image.keys, eoi]
+        soft.update(zip(image.keys, image.rows))
+    return out, [moved[m] for m in marks], soft

@@ -1,0 +1,249 @@
+"""Image prompts end to end: a bundle with a vision model (conftest's `vision_bundle`: 16-bit, 70 soft tokens an
+image, context 256) against transformers' Gemma4ForConditionalGeneration fed the same pixels, at every position;
+then the Python API, prefix reuse, prompt cache files and the CLI with images."""
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gemma_ane import load
+from gemma_ane.bundle import BundleError, check_bundle, inspect_bundle, read_model_config
+from gemma_ane.encoder import soft_keys
+from gemma_ane.engine import ContextOverflow
+from gemma_ane.images import ImageError
+from gemma_ane.tokenizer_files import TINY_MEDIA_TOKENS
+from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+
+pytestmark = pytest.mark.slow
+
+SIZES = {"wide": (40, 60), "tall": (90, 30), "square": (50, 50), "strip": (12, 100)}  # (height, width)
+
+
+def picture(h: int, w: int, seed: int) -> Image.Image:
+    """A smooth colour field with noise: every patch differs from its neighbours."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w] / max(h, w)
+    base = np.stack([np.sin(7 * x + c + seed) * np.cos(5 * y - c) for c in range(3)], axis=-1)
+    pixels = np.clip(127.5 * (1 + 0.8 * base) + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("images")
+    paths = {}
+    for i, (name, (h, w)) in enumerate(SIZES.items()):
+        paths[name] = d / f"{name}.png"
+        picture(h, w, i).save(paths[name])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def model(vision_bundle):
+    return load(vision_bundle, backend="mil")
+
+
+def user(*parts):
+    return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+
+
+def image(source):
+    return {"type": "image", "image": source}
+
+
+# -- the proof ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [["wide"], ["tall", "square"], ["strip"]], ids=["wide", "tall+square", "strip"])
+def test_image_prompts_match_transformers_at_every_position(tiny_e2b, vision_bundle, images, names):
+    """Soft tokens from the vision model (MIL executor) in the chunks' prompt path (prefill batches, then decode
+    steps), against Gemma4ForConditionalGeneration with pixel_values: as tight as text prompts."""
+    report = verify_bundle(tiny_e2b, vision_bundle, tokens=24, prompt_len=8, images=[images[n] for n in names])
+    assert report["image_tokens"] >= 40 * len(names)  # every image resized up to the 70-token budget
+    assert report["positions"] == 24 + report["image_tokens"] + 2 * len(names)
+    assert report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE, report
+
+
+def test_verify_cli_with_images(tiny_e2b, vision_bundle, images):
+    args = [sys.executable, "-m", "gemma_ane.cli", "verify", str(tiny_e2b), "--bundle", str(vision_bundle)]
+    r = subprocess.run([*args, "--image", str(images["wide"]), "--tokens", "12"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "of images)" in r.stdout and "PASS" in r.stdout
+    r = subprocess.run([*args[:5], "--image", str(images["wide"])], capture_output=True, text=True)
+    assert r.returncode != 0 and "--image: needs --bundle" in r.stderr
+
+
+# -- the runtime ----------------------------------------------------------------------------------------------
+
+
+def test_the_prompt_holds_the_images_soft_tokens(model, images):
+    ids = model.prompt_ids(messages=[user(image(images["wide"]), "What is this?")])
+    boi, placeholder, eoi = model.images.token_ids
+    assert (boi, placeholder, eoi) == tuple(TINY_MEDIA_TOKENS)  # from the bundle's config, not hard-coded
+    assert ids.count(placeholder) == 1  # the template renders one placeholder; the runtime expands it
+    r = model.generate(messages=[user(image(images["wide"]), "What is this?")], max_tokens=1, temperature=0)
+    tokens = model.engine.tokens
+    start = tokens.index(boi)
+    keys = tokens[start + 1 : tokens.index(eoi)]
+    assert len(keys) >= 40 and all(k < 0 for k in keys) and placeholder not in tokens
+    assert r.prompt_tokens == len(ids) + len(keys) + 1
+
+
+def test_every_source_of_the_same_picture_gives_the_same_tokens(model, images):
+    path = images["tall"]
+    data = path.read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    sources = [str(path), path, data, Image.open(path), {"type": "image_url", "image_url": {"url": url}}]
+    results = [
+        model.generate(
+            messages=[user(s if isinstance(s, dict) else image(s), "Describe.")], max_tokens=3, temperature=0
+        )
+        for s in sources
+    ]
+    assert len({tuple(r.tokens) for r in results}) == 1
+    assert all(r.reused_tokens == r.prompt_tokens - 1 for r in results[1:])  # one picture: the same keys
+
+
+def test_a_follow_up_about_the_same_image_reuses_it(model, images):
+    model.reset()
+    before = model.images.encoded
+    first = [user(image(images["square"]), "What is this?")]
+    a = model.generate(messages=first, max_tokens=4, temperature=0)
+    assert model.images.encoded == before + 1 and a.reused_tokens == 0
+    follow = [*first, {"role": "assistant", "content": a.text}, user("And its colour?")]
+    b = model.generate(messages=follow, max_tokens=4, temperature=0)
+    assert model.images.encoded == before + 1  # not encoded again
+    assert b.reused_tokens >= a.prompt_tokens - 1  # the image's positions are reused, not recomputed
+    other = [user(image(images["wide"]), "What is this?")]
+    model.generate(messages=other, max_tokens=1, temperature=0)
+    assert model.images.encoded == before + 2
+
+
+def test_two_images_in_one_prompt_take_their_places(model, images):
+    r = model.generate(
+        messages=[user("Compare", image(images["tall"]), "with", image(images["strip"]), ".")], max_tokens=2
+    )
+    boi, _, eoi = model.images.token_ids
+    tokens = model.engine.tokens[: r.prompt_tokens]
+    assert tokens.count(boi) == 2 and tokens.count(eoi) == 2
+    first, second = (tokens[i + 1 : tokens.index(eoi, i)] for i in [j for j, t in enumerate(tokens) if t == boi])
+    assert set(first).isdisjoint(second)  # each picture its own keys
+
+
+def test_prompt_cache_file_keeps_an_image(model, vision_bundle, images, tmp_path):
+    messages = [user(image(images["wide"]), "What is this?")]
+    model.reset()
+    a = model.generate(messages=messages, max_tokens=3, temperature=0)
+    path = tmp_path / "cache.npz"
+    model.save_prompt_cache(path, a.prompt_tokens)
+    other = load(vision_bundle, backend="mil")
+    assert other.load_prompt_cache(path) == a.prompt_tokens
+    b = other.generate(messages=messages, max_tokens=3, temperature=0)
+    assert b.reused_tokens == a.prompt_tokens - 1 and b.tokens == a.tokens
+    assert min(np.load(path)["tokens"]) < -(2**31)  # the keys need int64
+
+
+def test_bad_image_input_is_one_line(model, tiny_bundle16, images, tmp_path):
+    (tmp_path / "not.png").write_text("hello")
+    bad = {
+        "audio": ({"type": "audio", "audio": "a.wav"}, "audio input is not supported"),
+        "no source": ({"type": "image"}, "an image part needs 'image'"),
+        "remote": ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "remote image URLs are not"),
+        "not base64": ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),
+        "not an image": (image(tmp_path / "not.png"), "not.png: not an image"),
+        "missing": (image(tmp_path / "nowhere.png"), "nowhere.png: No such file"),
+    }
+    for part, needle in bad.values():
+        with pytest.raises(ImageError, match=needle) as e:
+            model.generate(messages=[user(part, "Hi")], max_tokens=1)
+        assert "\n" not in str(e.value) and "messages[0].content[0]" in str(e.value)
+    text_only = load(tiny_bundle16, backend="mil")
+    with pytest.raises(ImageError, match="has no vision model"):
+        text_only.generate(messages=[user(image(images["wide"]), "Hi")], max_tokens=1)
+    model.allow_special_tokens = True  # a user who spells the placeholder: one placeholder more than images
+    try:
+        with pytest.raises(ImageError, match="2 image placeholder"):
+            model.generate(messages=[user(image(images["wide"]), "<|image|>")], max_tokens=1)
+    finally:
+        model.allow_special_tokens = False
+
+
+def test_images_beyond_the_context_are_refused_before_encoding(model, images):
+    before = model.images.encoded
+    many = [image(picture(30 + i, 40, 10 + i)) for i in range(4)]  # 4 x ~70 soft tokens > 256
+    with pytest.raises(ContextOverflow, match="images included"):
+        model.generate(messages=[user(*many, "Hi")], max_tokens=1)
+    assert model.images.encoded == before
+
+
+def test_soft_keys_are_negative_and_distinct():
+    a, b = soft_keys(b"\x01" * 16, 1120), soft_keys(b"\x02" * 16, 1120)
+    assert max(a + b) < 0 and len(set(a + b)) == 2240
+
+
+# -- the bundle and the CLI -----------------------------------------------------------------------------------
+
+
+def test_the_bundle_states_its_vision_model(vision_bundle, tiny_bundle16):
+    config = read_model_config(vision_bundle)
+    assert config["vision"]["image_tokens"] == 70 and config["vision"]["image_token_id"] == 121
+    manifest = json.loads((vision_bundle / "manifest.json").read_text())
+    assert "vision.mlpackage/Manifest.json" in manifest["files"] and "encode" in manifest["vision"]["functions"]
+    assert inspect_bundle(vision_bundle, sha256=False)["vision"]["functions"]["encode"]["macs_per_token"] > 0
+    assert "image-text-to-text" in (vision_bundle / "README.md").read_text()
+    # without the option (conftest converts text-only bundles): no vision model, no entry
+    assert "vision" not in read_model_config(tiny_bundle16) and not (tiny_bundle16 / "vision.mlpackage").exists()
+
+
+def test_a_damaged_vision_entry_is_named(vision_bundle, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(vision_bundle, bundle)
+    config = json.loads((bundle / "model_config.json").read_text())
+    (bundle / "vision_position_embeddings.npy").unlink()
+    assert any("vision_position_embeddings.npy: missing" in p for p in check_bundle(bundle, sha256=False))
+    for field, value, needle in [
+        ("image_tokens", 71, "vision.image_tokens=71: expected one of 70"),
+        ("position_table", "../x.npy", "vision.position_table='../x.npy'"),
+        ("eoi_token_id", 10**9, "vision.eoi_token_id=1000000000"),
+    ]:
+        bad = {**config, "vision": {**config["vision"], field: value}}
+        (bundle / "model_config.json").write_text(json.dumps(bad))
+        with pytest.raises(BundleError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+            read_model_config(bundle)
+
+
+def test_generate_cli_with_an_image(model, vision_bundle, images):
+    cmd = [sys.executable, "-m", "gemma_ane.cli", "generate", str(vision_bundle), "--backend", "mil", "-p", "What?"]
+    r = subprocess.run(
+        [*cmd, "--image", str(images["wide"]), "--max-tokens", "3", "--temperature", "0", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    expected = model.generate(messages=[user(image(images["wide"]), "What?")], max_tokens=3, temperature=0)
+    assert json.loads(r.stdout)["tokens"] == expected.tokens
+    for extra, needle in [
+        (["--image", str(images["wide"]), "--raw"], "--image: a raw prompt has no chat template"),
+        (["--image", "/nowhere.png"], "/nowhere.png: No such file"),
+    ]:
+        r = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+        assert r.returncode != 0 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_convert_refuses_a_budget_it_cannot_serve(tiny_e2b, tmp_path):
+    for flags, needle in [
+        (["--image-tokens", "71"], "--image-tokens 71: choose one of 70, 140, 280, 560, 1120"),
+        (["--vision-bits", "3"], "--vision-bits 3: choose 4, 6, 8 or 16"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "gemma_ane.cli", "convert", str(tiny_e2b), str(tmp_path / "out"), *flags],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode != 0 and needle in r.stderr and not (tmp_path / "out").exists(), r.stderr
