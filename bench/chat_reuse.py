@@ -55,7 +55,12 @@ def build(work: Path, quick: bool) -> tuple[Path, str]:
         if not (root / "ckpt").is_dir():
             write_tiny(root / "ckpt", preset=preset)
         print(f"converting {preset} at context {context} into {root} ...", file=sys.stderr, flush=True)
-        convert(str(root / "ckpt"), str(root / "bundle"), ConvertOptions(context=context, bits=16), progress=False)
+        convert(
+            str(root / "ckpt"),
+            str(root / "bundle"),
+            ConvertOptions(context=context, bits=16, vision=False),
+            progress=False,
+        )
     # the window and context decide which steps run and what may be reused; the widths only the time
     real = "" if quick else "E2B's real window and context, "
     return root / "bundle", (

@@ -30,17 +30,6 @@ from common import publish  # noqa: E402
 from make_full_checkpoint import QUICK, hub_config, scale_of  # noqa: E402
 
 BUDGET = 280  # E2B's default soft-token budget
-TOY_VISION = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=16,
-    global_head_dim=16,
-    patch_size=4,
-    position_embedding_size=1024,
-)
 GiB = 2**30
 
 
@@ -48,13 +37,13 @@ def write_checkpoint(out: Path, quick: bool) -> None:
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from gemma_ane.tiny import _save, checkpoint_dir
+    from gemma_ane.tiny import VISION, _save, checkpoint_dir
 
     config = hub_config("e2b", quick=False)
     config["text_config"].update(QUICK, hidden_size=1536 if not quick else 64)
     config.pop("audio_config", None)
     if quick:
-        config["vision_config"].update(TOY_VISION)
+        config["vision_config"].update(VISION)  # tiny.py's tower
     model = Gemma4ForConditionalGeneration(Gemma4Config(**{**config, "audio_config": None})).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -677,7 +677,11 @@ def _check_vision(options: ConvertOptions, root: Path) -> dict | None:
     if found is None:
         return None
     spec, ckpt = open_vision(root, options.image_tokens)
+    has_tower = "model.vision_tower.patch_embedder.input_proj.weight" in ckpt
     ckpt.close()
+    if not has_tower:  # a text-only export that kept the multimodal config.json
+        print(f"note: {root}: config.json states a vision tower but the weights hold none; converting text only")
+        return None
     tokens, vision = options.image_tokens, options.vision_options
     return {
         "name": "vision",

@@ -138,7 +138,9 @@ def drafter_bundle(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("drafter")
     write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
-    opts = ConvertOptions(context=128, bits=16, kv_prefill_batches=(), assistant=str(d / "asst"), draft_tokens=2)
+    opts = ConvertOptions(
+        context=128, bits=16, vision=False, kv_prefill_batches=(), assistant=str(d / "asst"), draft_tokens=2
+    )
     convert(str(d / "ckpt"), str(d / "bundle"), opts, progress=False)
     return d / "bundle"
 

@@ -673,7 +673,7 @@ def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "merge_functions", failing_merge)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="injected failure"):
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16, vision=False), progress=False)
     assert not out.exists()
     assert _partials(tmp_path, "out") == []
     assert sorted(os.listdir(tmp_path)) == []
@@ -689,14 +689,16 @@ def test_interrupted_conversion_leaves_no_out_and_keeps_an_old_one(tiny_e2b, tmp
     monkeypatch.setattr(convert_mod, "trace_function", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16, vision=False), progress=False)
     assert not out.exists() and _partials(tmp_path, "out") == []
 
     # with --force the old bundle must survive a failed replacement
     out.mkdir()
     (out / "keep.txt").write_text("old bundle")
     with pytest.raises(KeyboardInterrupt):
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16, force=True), progress=False)
+        convert(
+            str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16, vision=False, force=True), progress=False
+        )
     assert (out / "keep.txt").read_text() == "old bundle"
     assert _partials(tmp_path, "out") == []
 
@@ -707,7 +709,7 @@ def test_existing_out_is_refused_without_force(tiny_e2b, tmp_path):
     (out / "keep.txt").write_text("mine")
     before = sorted(os.listdir(out))
     with pytest.raises(ConvertError) as e:
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=CONTEXT, bits=16, vision=False), progress=False)
     assert str(out) in str(e.value) and "--force" in str(e.value)
     assert sorted(os.listdir(out)) == before and (out / "keep.txt").read_text() == "mine"
     assert _partials(tmp_path, "out") == []
@@ -864,7 +866,7 @@ def edited_ckpt(tiny_e2b, tmp_path):
 
 
 def _convert_cli(capsys, src, out, *flags):
-    return run_cli(capsys, "convert", src, out, "--context", CONTEXT, "--bits", 16, "--quiet", *flags)
+    return run_cli(capsys, "convert", src, out, "--context", CONTEXT, "--bits", 16, "--no-vision", "--quiet", *flags)
 
 
 @pytest.mark.parametrize(

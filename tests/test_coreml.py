@@ -343,7 +343,7 @@ def compiled_bundle(tiny_e2b, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("compiled") / "bundle"
     with install():
-        convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16), progress=False)
+        convert(str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, vision=False), progress=False)
     return out
 
 

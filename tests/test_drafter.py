@@ -233,7 +233,7 @@ def test_a_draft_position_outside_the_context_is_refused(torch_drafter, oracle, 
 def bundle16(pair, tmp_path_factory):
     """`gemma-ane convert --assistant`, 16 bits, no KV-only prefill (fewer functions to convert)."""
     out = tmp_path_factory.mktemp("drafter") / "bundle"
-    argv = ["convert", str(pair[0]), str(out), "--assistant", str(pair[1]), "--bits", "16", "--quiet"]
+    argv = ["convert", str(pair[0]), str(out), "--assistant", str(pair[1]), "--bits", "16", "--no-vision", "--quiet"]
     assert main([*argv, "--context", str(CONTEXT), "--draft-tokens", str(K), "--kv-prefill-batches", ""]) == 0
     return out
 
@@ -307,7 +307,7 @@ def _dequantised(package: Path) -> dict:
 def drafter4(pair, plan, tmp_path_factory):
     """The 4-bit package alone (convert_assistant), beside the 16-bit bundle's host tables and model config."""
     out = tmp_path_factory.mktemp("drafter4")
-    options = ConvertOptions(context=CONTEXT, bits=4, assistant=str(pair[1]), draft_tokens=K)
+    options = ConvertOptions(context=CONTEXT, bits=4, vision=False, assistant=str(pair[1]), draft_tokens=K)
     convert_assistant(pair[1], plan, options, out, StageTimer())
     return out
 
@@ -471,7 +471,17 @@ def test_a_bad_assistant_is_refused_in_one_line_with_nothing_written(
     }.get(case, pair[1])
     extra = {"published": ["--layout", "published"], "k0": ["--draft-tokens", "0"], "k32": ["--draft-tokens", "32"]}
     out = tmp_path / "out"
-    argv = ["convert", str(pair[0]), str(out), "--assistant", str(assistant), "--context", str(CONTEXT), "--quiet"]
+    argv = [
+        "convert",
+        str(pair[0]),
+        str(out),
+        "--assistant",
+        str(assistant),
+        "--context",
+        str(CONTEXT),
+        "--no-vision",
+        "--quiet",
+    ]
     assert main([*argv, *extra.get(case, [])]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("gemma-ane convert: error: "), err

@@ -56,7 +56,7 @@ def test_e4b_mini_graph_matches_transformers(tiny_e4b):
 def test_e4b_mini_bundle_matches_transformers(tiny_e4b, tmp_path):
     from gemma_ane.convert import ConvertOptions, convert
 
-    convert(str(tiny_e4b), str(tmp_path / "bundle"), ConvertOptions(context=128, bits=16), progress=False)
+    convert(str(tiny_e4b), str(tmp_path / "bundle"), ConvertOptions(context=128, bits=16, vision=False), progress=False)
     r = verify_bundle(tiny_e4b, tmp_path / "bundle", tokens=96, precision="fp16", prompt_len=13)
     # measured: top-1 1.0, min cosine 0.99965; the documented fp16 bounds are 0.97 and 0.999
     assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= FP16_MIN_COSINE, r

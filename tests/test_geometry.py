@@ -50,7 +50,7 @@ def narrow(tmp_path_factory):
     convert(
         str(ckpt),
         str(root / "bundle"),
-        ConvertOptions(context=CONTEXT, bits=16, kv_prefill_batches=(64,)),
+        ConvertOptions(context=CONTEXT, bits=16, vision=False, kv_prefill_batches=(64,)),
         progress=False,
     )
     return ckpt, root / "bundle"

@@ -22,7 +22,7 @@ from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
 
 pytestmark = pytest.mark.slow
 
-SIZES = {"wide": (40, 60), "tall": (90, 30), "square": (50, 50), "strip": (12, 100)}  # (height, width)
+SIZES = {"wide": (40, 60), "tall": (90, 30), "square": (50, 50), "strip": (12, 100)}  # 4:3 ... 1:8, upscaled  # (height, width)
 
 
 def picture(h: int, w: int, seed: int) -> Image.Image:
@@ -60,13 +60,13 @@ def image(source):
 # -- the proof ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("names", [["wide"], ["tall", "square"], ["strip"]], ids=["wide", "tall+square", "strip"])
+@pytest.mark.parametrize("names", [["wide"], ["tall", "strip"]], ids=["wide", "tall+strip"])
 def test_image_prompts_match_transformers_at_every_position(tiny_e2b, vision_bundle, images, names):
     """Soft tokens from the vision model (MIL executor) in the chunks' prompt path (prefill batches, then decode
     steps), against Gemma4ForConditionalGeneration with pixel_values: as tight as text prompts."""
-    report = verify_bundle(tiny_e2b, vision_bundle, tokens=24, prompt_len=8, images=[images[n] for n in names])
+    report = verify_bundle(tiny_e2b, vision_bundle, tokens=16, prompt_len=6, images=[images[n] for n in names])
     assert report["image_tokens"] >= 40 * len(names)  # every image resized up to the 70-token budget
-    assert report["positions"] == 24 + report["image_tokens"] + 2 * len(names)
+    assert report["positions"] == 16 + report["image_tokens"] + 2 * len(names)
     assert report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE, report
 
 
@@ -100,14 +100,13 @@ def test_every_source_of_the_same_picture_gives_the_same_tokens(model, images):
     data = path.read_bytes()
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     sources = [str(path), path, data, Image.open(path), {"type": "image_url", "image_url": {"url": url}}]
-    results = [
-        model.generate(
-            messages=[user(s if isinstance(s, dict) else image(s), "Describe.")], max_tokens=3, temperature=0
-        )
-        for s in sources
-    ]
+    prompts, results = set(), []
+    for s in sources:
+        part = s if isinstance(s, dict) else image(s)
+        results.append(model.generate(messages=[user(part, "Describe.")], max_tokens=3, temperature=0))
+        prompts.add(tuple(model.engine.tokens[: results[-1].prompt_tokens]))
+    assert len(prompts) == 1  # one picture: the same keys, whatever it came from
     assert len({tuple(r.tokens) for r in results}) == 1
-    assert all(r.reused_tokens == r.prompt_tokens - 1 for r in results[1:])  # one picture: the same keys
 
 
 def test_a_follow_up_about_the_same_image_reuses_it(model, images):
@@ -120,7 +119,7 @@ def test_a_follow_up_about_the_same_image_reuses_it(model, images):
     b = model.generate(messages=follow, max_tokens=4, temperature=0)
     assert model.images.encoded == before + 1  # not encoded again
     assert b.reused_tokens >= a.prompt_tokens - 1  # the image's positions are reused, not recomputed
-    other = [user(image(images["wide"]), "What is this?")]
+    other = [user(image(picture(40, 40, 99)), "What is this?")]  # a picture no other test shows
     model.generate(messages=other, max_tokens=1, temperature=0)
     assert model.images.encoded == before + 2
 

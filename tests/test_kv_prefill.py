@@ -16,7 +16,10 @@ pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pip
 def bundle(tiny_e2b, tmp_path_factory):
     out = tmp_path_factory.mktemp("kv") / "bundle"
     convert(
-        str(tiny_e2b), str(out), ConvertOptions(context=128, bits=16, kv_prefill_batches=(16, 8, 4)), progress=False
+        str(tiny_e2b),
+        str(out),
+        ConvertOptions(context=128, bits=16, vision=False, kv_prefill_batches=(16, 8, 4)),
+        progress=False,
     )
     return out
 

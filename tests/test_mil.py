@@ -1019,7 +1019,7 @@ def gqa16(tiny_gqa, tmp_path_factory) -> Path:
     from gemma_ane.convert import ConvertOptions, convert
 
     out = tmp_path_factory.mktemp("gqa16") / "bundle"
-    convert(str(tiny_gqa), str(out), ConvertOptions(context=CONTEXT, bits=16), progress=False)
+    convert(str(tiny_gqa), str(out), ConvertOptions(context=CONTEXT, bits=16, vision=False), progress=False)
     return out
 
 
