@@ -160,11 +160,12 @@ def cmd_inspect(a):
         print(f"{c['name']} ({c['path']}): {layers}{c['size_bytes'] / 1e6:.2f} MB on disk")
         for name, t in c["states"].items():
             print(f"  state  {name:<24} {str(t['shape']):<22} {t['dtype']}")
+        per = "image" if c["name"] == "vision" else "token"  # encode's cost is one image's
         for fname, f in c["functions"].items():
             costs = (
                 "costs unknown (compiled)"
                 if f["macs_per_token"] is None
-                else f"weights {f['weight_bytes'] / 1e6:.2f} MB, {f['macs_per_token'] / 1e6:.2f} M MACs/token"
+                else f"weights {f['weight_bytes'] / 1e6:.2f} MB, {f['macs_per_token'] / 1e6:.2f} M MACs/{per}"
             )
             print(f"  {fname}: T={f['tokens_per_call']}, {costs}")
             for kind in ("inputs", "outputs"):

@@ -54,6 +54,7 @@ RUNTIME = {
     "grammar",
     "drafter",
     "images",
+    "encoder",
 }
 CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files", "assistant", "vision"}
 
