@@ -71,8 +71,14 @@ USER = {"role": "user", "content": "Hi there"}
         pytest.param(
             [{"role": "user", "content": [{"type": "text", "text": " Hi "}, {"type": "text", "text": "there "}]}],
             {},
-            "<bos><|turn>user\nHi there<turn|>\n<|turn>model\n",
+            "<bos><|turn>user\nHithere<turn|>\n<|turn>model\n",  # each part trimmed, as Google's template does
             id="content-parts",
+        ),
+        pytest.param(
+            [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": " Hi"}]}],
+            {},
+            "<bos><|turn>user\n<|image|>Hi<turn|>\n<|turn>model\n",
+            id="image-part",
         ),
     ],
 )
