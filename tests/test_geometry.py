@@ -58,13 +58,13 @@ def narrow(tmp_path_factory):
 
 @pytest.mark.slow
 def test_bundle_tracks_transformers_across_the_ring(narrow):
-    """Prompt 600 (prefill batches inside the first ring pass, then single steps that wrap it),
-    teacher-forced decode to 800: every position against transformers. (Past 1024, the second
+    """Prompt 560 (prefill batches inside the first ring pass, then single steps that wrap it),
+    teacher-forced decode to 600: every position against transformers. (Past 1024, the second
     wrap, is test_kv_only_prefill_past_the_window's: batches get there in a fraction of the time.)"""
     from gemma_ane.verify import verify_bundle
 
-    r = verify_bundle(*narrow, tokens=800, precision="fp16", seed=0, prompt_len=600)
-    print(f"\nbundle, 800 positions: top-1 {r['top1_agreement']:.4f}, min cosine {r['min_cosine']:.5f}")
+    r = verify_bundle(*narrow, tokens=600, precision="fp16", seed=0, prompt_len=560)
+    print(f"\nbundle, 600 positions: top-1 {r['top1_agreement']:.4f}, min cosine {r['min_cosine']:.5f}")
     assert (r["context"], r["window"]) == (CONTEXT, WINDOW)
     assert r["top1_agreement"] >= FP16_MIN_TOP1 and r["min_cosine"] >= FP16_MIN_COSINE, r
 
