@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,6 +105,17 @@ class MILBackend:
         state.arrays[name][...] = array
 
 
+def open_mlmodel(path: Path, units, function: str):
+    """(MLModel, None), or (None, the framework's error) when the device refuses the function. coremltools also
+    warns then ("You will not be able to run predict()"); the caller says it in one line of its own instead."""
+    import coremltools as ct
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You will not be able to run predict", RuntimeWarning)
+        model = ct.models.MLModel(str(path), compute_units=units, function_name=function)
+    return (model, None) if model.__proxy__ is not None else (None, model._framework_error)
+
+
 class CoreMLBackend:
     """A package run by Core ML (macOS): one model per function, sharing one MLState.
 
@@ -126,9 +138,8 @@ class CoreMLBackend:
             # Opening an .mlpackage compiles it. Compile once (loading `infer`, which lives as long
             # as this backend), then open every other function from that one compiled model, so
             # they share one state as in a multifunction model, and nothing is compiled twice.
-            model = ct.models.MLModel(str(path), compute_units=self.units, function_name="infer")
-            if model.__proxy__ is None:
-                error = model._framework_error
+            model, error = open_mlmodel(path, self.units, "infer")
+            if error is not None:
                 raise BackendError(f"{path}: function 'infer' cannot be loaded on {compute_units}: {error}")
             self.compiled, self.models = model.get_compiled_model_path(), {"infer": model}
         else:
@@ -187,8 +198,7 @@ class CoreMLFunction:
         error = None
         try:
             if self.path.suffix == ".mlpackage":
-                self.model = ct.models.MLModel(str(self.path), compute_units=self.units, function_name=function)
-                error = self.model._framework_error if self.model.__proxy__ is None else None
+                self.model, error = open_mlmodel(self.path, self.units, function)
             else:
                 self.model = ct.models.CompiledMLModel(str(self.path), compute_units=self.units, function_name=function)
         except RuntimeError as e:

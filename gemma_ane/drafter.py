@@ -42,16 +42,20 @@ class CentroidHead:
         self.clusters = np.asarray(ordering, np.int64).reshape(num_centroids, -1)  # cluster -> its token ids
         self.factors = np.asarray(factors, np.float32).reshape(num_centroids, -1)
 
-    def __call__(self, scores: np.ndarray, hidden: np.ndarray) -> Proposal:
-        """scores (num_centroids,), hidden (Ha,) -> real logits for the best clusters' tokens, min - 1 for the rest."""
+    def best(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The top_k clusters by score, and their tokens' int8 rows (top_k * cluster size, Ha): one read a cluster."""
         top = np.argpartition(-np.asarray(scores, np.float32), self.top_k - 1)[: self.top_k]
         t, n = self.rows, self.clusters.shape[1]
         size = n * t.row_bytes
         data = b"".join(os.pread(t.fd, size, int(c) * size) for c in top)
-        q = np.frombuffer(data, t.dtype).reshape(len(top) * n, t.shape[1])
+        return top, np.frombuffer(data, t.dtype).reshape(len(top) * n, t.shape[1])
+
+    def __call__(self, scores: np.ndarray, hidden: np.ndarray) -> Proposal:
+        """scores (num_centroids,), hidden (Ha,) -> real logits for the best clusters' tokens, min - 1 for the rest."""
+        top, q = self.best(scores)
         # The row factors after the dot product: one multiply per token, not per weight. einsum reads the int8 rows
-        # as they are, and is no BLAS call: BLAS threads gain nothing on 4,096 x 256 and, on a busy machine,
-        # cost 12 ms against einsum's 0.3 (measured on 2 loaded cores).
+        # as they are, and is no BLAS call: BLAS threads gain nothing on 4,096 x 256 (bench/drafter_head.py) and
+        # contend with the rest of the process on a busy machine.
         logits = np.einsum("ij,j->i", q, np.asarray(hidden, np.float32)) * self.factors[top].ravel()
         return Proposal(self.clusters[top].ravel(), logits, float(logits.min()) - 1.0, self.vocab)
 
@@ -62,7 +66,6 @@ class Drafter:
     def __init__(self, package, host: HostTables, config: dict, head: CentroidHead | None):
         self.package, self.host, self.head = package, host, head
         self.window, self.vocab = config.get("sliding_window"), config["vocab_size"]
-        self.draft_tokens = config["assistant"]["draft_tokens"]
         self.producers = config["assistant"]["producers"]
         io = package.interfaces[FUNCTION]
         self.kv_names = [kv_name(p, w) for p in self.producers.values() for w in ("k", "v")]
@@ -72,10 +75,6 @@ class Drafter:
         if missing:
             raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which model_config.json implies")
         self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
-
-    def load(self) -> None:
-        """Make `draft` ready; FunctionUnavailable when the backend cannot load it (decode without drafts)."""
-        self.package.load(FUNCTION)
 
     def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:
         """One draft for the token at `position`: carry is the target's final-norm hidden state at position - 1
@@ -102,7 +101,8 @@ class Drafter:
 def open_drafter(
     root: str | Path, backend: str, precision: str, compute_units: str, host: HostTables, config: dict
 ) -> Drafter | None:
-    """The bundle's drafter, or None when model_config.json states no assistant. Not loaded: call `load`."""
+    """The bundle's drafter, or None when model_config.json states no assistant. `draft` loads at the first step
+    (FunctionUnavailable there when the device refuses it: the runtime then decodes without drafts)."""
     if "assistant" not in config:
         return None
     root = Path(root)

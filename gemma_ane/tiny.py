@@ -268,9 +268,11 @@ def _randomize_vision(model, seed: int = 0) -> None:
             if "rotary_emb" in name or (last in name and "output_min" in name):
                 continue
             if name == "embedding_projection.weight":
-                # soft tokens as wide as the scaled token embeddings (~2 sqrt(H) a coordinate): much smaller ones
-                # leave the image positions' logits close together, where any rounding of a soft token flips them
-                value = torch.randn(t.shape, generator=g) * 2 * math.sqrt(text_width) / math.sqrt(t.shape[-1])
+                # soft tokens twice as wide as the scaled token embeddings (~4 sqrt(H) a coordinate). A text
+                # position's logits are spread by its own token's row of the tied head; an image position has no
+                # such row, so narrower soft tokens leave its logits close together, where the fp16 rounding of a
+                # soft token flips them (two images, min cosine at image positions: 0.9985 at 2 sqrt(H), 0.9995 here)
+                value = torch.randn(t.shape, generator=g) * 4 * math.sqrt(text_width) / math.sqrt(t.shape[-1])
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 value = uniform(t.shape, 0.25, 0.75)
             elif name.endswith("norm.weight"):

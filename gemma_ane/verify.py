@@ -211,13 +211,13 @@ def verify_bundle(
         "precision": precision,
         "positions": len(ids),
         "prompt_tokens": prompt_len,
-        "image_tokens": sum(len(image.keys) for image in soft),
         "context": engine.context,
         "window": engine.window,
         "seed": seed,
         **compare(ours, ref),
     }
     if images:  # what generation reads: the rows of text (an image row's logits feed nothing)
+        report["image_tokens"] = sum(len(image.keys) for image in soft)
         text = np.asarray(ids) >= 0
         report["text_positions"] = compare(ours[text], ref[text])
     else:

@@ -39,6 +39,11 @@ def test_host_overhead_quick():
     assert "host overhead per token: median" in out and "resident memory" in out
 
 
+def test_drafter_head_quick():
+    out = run("drafter_head.py")  # the three ways agree on every logit before they are timed
+    assert "| cluster order, einsum (the runtime's) |" in out and "| token order, one read per token |" in out
+
+
 def test_server_load_quick(tiny_bundle16):
     out = run("server_load.py", tiny_bundle16, "--backend", "mil")
     assert "| 20/20 |" in out and "p99 latency" in out

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,7 +247,6 @@ def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
 
 def test_the_16bit_package_equals_transformers(bundle16, oracle):
     drafter, host = _open(bundle16)
-    drafter.load()
     assert drafter.widths == {SLIDING: 48, FULL: CONTEXT}
     for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host):
         # Measured: carry within 0.52 % of its largest value, logits within 0.135 (range ~25; the head's
@@ -506,10 +506,10 @@ def test_core_ml_loads_the_drafter_on_first_use_or_says_it_cannot(bundle16, orac
     with install(refuse={"draft"}) as standin:
         refused, _ = _open(bundle16, backend="coreml")
         assert standin.loads == []  # nothing is loaded before it is asked for
-        with pytest.warns(RuntimeWarning), pytest.raises(FunctionUnavailable, match=r"assistant: 'draft' cannot be"):
-            refused.load()
+        with warnings.catch_warnings(), pytest.raises(FunctionUnavailable, match=r"assistant: 'draft' cannot be"):
+            warnings.simplefilter("error")  # refused in our one line, not coremltools' warning beside it
+            refused.step(token, carry, P, kv)  # the first step loads `draft`
         cpu, _ = _open(bundle16, backend="coreml", compute_units="cpu_only")
-        cpu.load()
         got = cpu.step(token, carry, P, kv)
         # compiled: the interface comes from manifest.json, which states the package's
         root = tmp_path / "compiled"
@@ -525,6 +525,29 @@ def test_core_ml_loads_the_drafter_on_first_use_or_says_it_cannot(bundle16, orac
         np.testing.assert_array_equal(proposal.ids, want.ids)
         np.testing.assert_array_equal(proposal.logits, want.logits)
         np.testing.assert_array_equal(c, want_carry)
+
+
+def test_a_device_that_refuses_the_drafter_decodes_without_drafts_after_one_warning(bundle16):
+    """Through the runtime on Core ML (the stand-in): the Neural Engine refuses `draft`; the generation that asked
+    for drafts says so once and answers as plain decoding does, and later ones say nothing more."""
+    from coreml_standin import install
+
+    import gemma_ane
+
+    kw = dict(raw=True, temperature=0, max_tokens=8)
+    with install(refuse={"draft"}):
+        model = gemma_ane.load(bundle16, backend="coreml")
+        plain = model.generate("the cat sat", **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            drafted = model.generate("the cat sat", draft_tokens=K, **kw)
+            again = model.generate("the cat sat", draft_tokens=K, **kw)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert re.fullmatch(
+        r"assistant: 'draft' cannot be loaded on cpu_and_ne \(.*FAILED.*\); decoding without drafts",
+        str(caught[0].message),
+    )
+    assert drafted.tokens == again.tokens == plain.tokens and drafted.acceptance_rate == 0.0
 
 
 # -- the runtime with drafts, against transformers' assisted decoding ----------------------------------------------

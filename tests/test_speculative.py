@@ -177,6 +177,24 @@ def test_draft_tokens_is_checked(graph, reference):
     assert run(model, draft_tokens=2, max_tokens=9).tokens == reference[0].tokens[:9]  # fewer drafts than K
 
 
+def test_without_the_ring_pad_rejected_rows_evict_what_later_positions_read(graph, reference, monkeypatch):
+    """The control for the pad: rings of exactly the window (16 slots, as the published layout's), the same drafts
+    and rejections. A verify call's rows then overwrite positions the next accepted ones still attend to, and the
+    output departs from plain decoding's; with the pad it keeps its tokens and their log-probabilities."""
+    import gemma_ane.spec
+
+    root, ckpt, _, _ = graph
+    wrong = range(13, CONTEXT + 4, 3)
+    padded = drafted(graph, reference, wrong, logprobs=0)[0]
+    monkeypatch.setattr(gemma_ane.spec, "ring_slots", lambda window, draft_tokens=0, kv_batches=(): window)
+    plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8, kv_batches=(8,), draft_tokens=K)
+    assert plan.ring == 16
+    unpadded = (root, ckpt, plan, [TorchChunk(m) for m in build_chunks(plan, ckpt, torch.float32)])
+    plain = run(make_model(graph), logprobs=0)
+    assert padded.tokens == plain.tokens and np.allclose(padded.logprobs, plain.logprobs, atol=1e-4)
+    assert drafted(unpadded, reference, wrong)[0].tokens != plain.tokens  # measured: log-probabilities 0.8 apart
+
+
 def test_the_ring_pad_is_what_makes_rejections_exact():
     assert ring_slots(512) == 512 and ring_slots(512, 3, (64, 8)) == 576 and ring_slots(16, 31, (8,)) == 48
     assert ring_slots(16, 3) == 48 and ring_slots(512, 31) == 544
