@@ -109,10 +109,11 @@ def random_ids(spec: ModelSpec, n: int, seed: int, avoid=()) -> np.ndarray:
     return ids
 
 
-def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Prompt through the prefill path (logits at every prompt row), then teacher-forced decoding."""
+def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int, prompt_logits: str = "all") -> np.ndarray:
+    """Prompt through the prefill path (logits at every prompt row; with "last", as generation runs it: KV-only
+    batches where they fit, the last row's logits only), then teacher-forced decoding."""
     engine.reset()
-    logits = engine.feed(ids[:prompt_len], logits="all")
+    logits = engine.feed(ids[:prompt_len], logits=prompt_logits)
     for t in ids[prompt_len:]:
         logits += engine.feed([t], logits="last")
     return np.stack(logits)
@@ -175,17 +176,22 @@ def verify_bundle(
     seed: int = 0,
     prompt_len: int | None = None,
     images: list = (),
+    prompt_path: str = "all",
 ) -> dict:
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
     sidecars, against transformers fed the same dequantised tables. With `images` (paths, bytes or PIL
     images), the prompt holds them too, spread through its text: their soft tokens come from the bundle's
     vision model, and the oracle is Gemma4ForConditionalGeneration fed the same pixels. `tokens` counts the
-    text positions; every image adds its own."""
+    text positions; every image adds its own. `prompt_path="generate"` runs the prompt as generation does (KV-only
+    prefill, which has no logits but the last row's) and compares from the prompt's last position on: the rows
+    after it read the caches those batches wrote; the report then names the functions the prompt ran."""
     from .bundle import open_engine, read_model_config
     from .encoder import open_image_encoder
 
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
+    if prompt_path not in ("all", "generate"):
+        raise ValueError(f"prompt_path={prompt_path!r}: choose 'all' or 'generate'")
     ckpt = Checkpoint(src)
     ckpt.validate()
     engine = open_engine(bundle, "mil", precision)
@@ -199,13 +205,16 @@ def verify_bundle(
     if not 2 <= len(ids) <= engine.context:
         raise ValueError(f"--tokens {tokens}: {len(ids)} positions with the images; must be in [2, {engine.context}]")
     engine.soft_tokens = {k: row for image in soft for k, row in zip(image.keys, image.rows)}
-    ours = run_engine(engine, np.asarray(ids), prompt_len)
+    functions = sorted({f for f, _ in engine.plan(0, prompt_len)}) if prompt_path == "generate" else None
+    ours = run_engine(engine, np.asarray(ids), prompt_len, "all" if prompt_path == "all" else "last")
     host = engine.host
     tables = {k: np.asarray(getattr(host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     if images:
         ref = _oracle_with_images(ckpt, tables, ids, images, encoder)
     else:
         ref = oracle_logits(oracle_model(ckpt, tables), ids)
+    first = 0 if prompt_path == "all" else prompt_len - 1  # the rows `ours` holds
+    full, ref, ids = ids, ref[first:], ids[first:]
     report = {
         "mode": "bundle",
         "precision": precision,
@@ -221,7 +230,9 @@ def verify_bundle(
         text = np.asarray(ids) >= 0
         report["text_positions"] = compare(ours[text], ref[text])
     else:
-        report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), ids))
+        report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), full)[first:])
+    if prompt_path == "generate":
+        report["prompt_functions"] = functions
     report["passed"] = passed(report)
     return report
 

@@ -981,3 +981,34 @@ def test_compile_is_refused_off_macos(capsys, tiny_e2b, tmp_path):
     assert rc == 2 and stdout == ""
     assert_one_line_error(err, "--compile", "macOS")
     assert not out.exists()
+
+
+def test_vision_flags_reach_the_options(capsys, tiny_e2b, tmp_path, monkeypatch):
+    """convert's vision flags as ConvertOptions (the conversion itself: conftest's vision_bundle), and the vision
+    model's default bits: the chunks' when 8 or more, else 8 (4-bit soft tokens lose too much: README)."""
+    import gemma_ane.convert
+
+    seen = []
+    monkeypatch.setattr(gemma_ane.convert, "convert", lambda src, out, opts, **kw: seen.append(opts) or {})
+    for flags in ([], ["--no-vision"], ["--image-tokens", "560", "--vision-bits", "4"]):
+        assert run_cli(capsys, "convert", tiny_e2b, tmp_path / "out", "--quiet", *flags)[0] == 0
+    default, off, chosen = seen
+    assert (default.vision, default.image_tokens, default.vision_bits) == (True, 280, None)
+    assert off.vision is False and (chosen.image_tokens, chosen.vision_bits) == (560, 4)
+    bits = {b: ConvertOptions(bits=b).vision_options.bits for b in (4, 6, 8, 16)}
+    assert bits == {4: 8, 6: 8, 8: 8, 16: 16} and chosen.vision_options.bits == 4
+
+
+def test_a_vision_config_without_tower_weights_converts_text_only(capsys, tiny_e2b, edited_ckpt):
+    """A text-only export that kept the multimodal config.json: no vision model, and a note saying why."""
+    from gemma_ane.convert import _check_vision
+
+    options = ConvertOptions(context=CONTEXT)
+    assert _check_vision(options, tiny_e2b)["name"] == "vision"
+    assert _check_vision(ConvertOptions(context=CONTEXT, vision=False), tiny_e2b) is None
+    text_only = edited_ckpt(edit_tensor=lambda t: [t.pop(k) for k in [k for k in t if "vision" in k]])
+    capsys.readouterr()
+    assert _check_vision(options, text_only) is None
+    assert (
+        "config.json states a vision tower but the weights hold none; converting text only" in capsys.readouterr().out
+    )

@@ -70,6 +70,22 @@ def test_image_prompts_match_transformers_at_every_position(tiny_e2b, vision_bun
     assert report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE, report
 
 
+def test_image_prompts_through_kv_only_prefill_match_transformers(tiny_e2b, vision_bundle, images):
+    """The prompt as generation runs it: KV-only batches write the image positions' caches (no logits), and every
+    row from the prompt's last on, which attends to them, matches transformers."""
+    report = verify_bundle(
+        tiny_e2b,
+        vision_bundle,
+        tokens=16,
+        prompt_len=6,
+        images=[images["tall"], images["strip"]],
+        prompt_path="generate",
+    )
+    assert any(f.startswith("prefill_kv") for f in report["prompt_functions"]), report["prompt_functions"]
+    assert report["positions"] == 16 - 6 + 1
+    assert report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE, report
+
+
 def test_verify_cli_with_images(tiny_e2b, vision_bundle, images):
     args = [sys.executable, "-m", "gemma_ane.cli", "verify", str(tiny_e2b), "--bundle", str(vision_bundle)]
     r = subprocess.run([*args, "--image", str(images["wide"]), "--tokens", "12"], capture_output=True, text=True)
@@ -116,9 +132,13 @@ def test_a_follow_up_about_the_same_image_reuses_it(model, images):
     a = model.generate(messages=first, max_tokens=4, temperature=0)
     assert model.images.encoded == before + 1 and a.reused_tokens == 0
     follow = [*first, {"role": "assistant", "content": a.text}, user("And its colour?")]
-    b = model.generate(messages=follow, max_tokens=4, temperature=0)
+    b = model.generate(messages=follow, max_tokens=4, temperature=0, logprobs=0)
     assert model.images.encoded == before + 1  # not encoded again
     assert b.reused_tokens >= a.prompt_tokens - 1  # the image's positions are reused, not recomputed
+    model.reset()  # the same follow-up with nothing cached: the same answer
+    fresh = model.generate(messages=follow, max_tokens=4, temperature=0, logprobs=0)
+    assert fresh.reused_tokens == 0 and fresh.tokens == b.tokens
+    np.testing.assert_allclose(fresh.logprobs, b.logprobs, atol=2e-2)
     other = [user(image(picture(40, 40, 99)), "What is this?")]  # a picture no other test shows
     model.generate(messages=other, max_tokens=1, temperature=0)
     assert model.images.encoded == before + 2

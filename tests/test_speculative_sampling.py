@@ -161,12 +161,17 @@ def test_speculative_sampling_emits_the_target_law(case):
     want = law(params, x, HISTORY)
     for name, prop in proposals(x, rng).items():
         s = Sampler(params, HISTORY)
-        counts = np.zeros(V, np.int64)
-        for _ in range(4000):
+        counts, n, accepts = np.zeros(V, np.int64), 4000, 0
+        for _ in range(n):
             token, accepted = s.verify(x, s.draft(prop), prop)
             counts[token] += 1
+            accepts += accepted
         assert s.counts == Sampler(params, HISTORY).counts  # verify observes nothing
         assert_law(counts, want, name)
+        # and drafts are kept as often as the rule min(1, p/q) keeps them: sum_x min(p(x), q(x)) (not, e.g., a
+        # fresh draw from p that happens to equal the draft, which emits the same law but accepts less)
+        rate = np.minimum(want, prop.probs(np.arange(V), params.temperature)).sum()
+        assert abs(accepts / n - rate) <= 4.5 * np.sqrt(rate * (1 - rate) / n) + 1e-3, (name, accepts / n, rate)
 
 
 # --- two positions: the joint law of the first two emitted tokens ----------------------------------------
