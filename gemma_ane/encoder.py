@@ -1,5 +1,5 @@
-"""Image soft tokens at run time: an image's pixels through the bundle's vision model (`vision.mlpackage`, one
-function `encode`) into the rows that replace its placeholders in the prompt.
+"""Soft tokens at run time: an image's pixels through the bundle's vision model (`vision.mlpackage`, one function
+`encode`) into the rows that replace its placeholders in the prompt.
 
 The engine tells tokens apart by id, and prefix reuse compares ids; an image has no ids, so each of its soft
 tokens gets a key of its own: a negative number made of a hash of the decoded pixels and the token's index
@@ -8,7 +8,10 @@ like any repeated text, and the encoder keeps its newest results by that hash, s
 again. Keys never reach the vocabulary: the engine embeds a negative id as its soft token's row, with the
 per-layer embedding of the pad token (transformers replaces multimodal ids by the pad id for that lookup).
 
-A second modality (audio) gets an encoder of the same shape: `encode(source)` -> SoftTokens.
+Every modality's encoder meets `MediaEncoder`: the content-part type it takes, its begin/placeholder/end token ids,
+and prepare/encode. Prompts are expanded by `expand_media` over a dict of them keyed by part type, so a second one
+(audio: Gemma 4's `<|audio|>` placeholder between begin- and end-of-audio) sits beside the image encoder without a
+change here but a branch in `media_sources` that reads its parts.
 
 Torch-free: this is the runtime side.
 """
@@ -19,6 +22,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -29,7 +33,8 @@ from .host import MASK_BLOCKED
 from .images import ImageError, Patches, data_url_bytes, load_image, preprocess
 
 FUNCTION = "encode"
-OTHER_MEDIA = ("audio", "input_audio", "video")  # parts Gemma 4's template renders that this runtime cannot encode
+OTHER_MEDIA = ("audio", "input_audio", "video")  # parts Gemma 4's template renders that this runtime cannot read
+MODEL_OF = {"image": "vision model"}  # what a bundle lacks when it cannot encode a part type
 KEY_BITS = 11  # a soft token's index within its image: up to 2048 (the largest budget is 1120)
 CACHED_IMAGES = 8  # encoded images kept, newest first: a chat's pictures are not encoded twice
 
@@ -82,9 +87,30 @@ def encoder_inputs(patches: Patches, table: np.ndarray, head_dim: int, rope_thet
     }
 
 
+class MediaEncoder(Protocol):
+    """What expand_media asks of an encoder. `prepare` is the cheap half of `encode` (load, check, hash): it tells
+    how many soft tokens a source will take before the model runs, so a prompt that cannot fit is refused before
+    anything is encoded."""
+
+    kind: str  # the content-part type it takes ("image")
+
+    @property
+    def token_ids(self) -> tuple[int, int, int]: ...  # (begin, placeholder, end): the placeholder is what the
+
+    # template renders for a part; it becomes begin, the soft tokens' keys, end
+
+    def prepare(self, source, what: str): ...
+
+    def soft_tokens(self, prepared) -> int: ...
+
+    def encode(self, source, what: str, prepared=None) -> SoftTokens: ...
+
+
 class ImageEncoder:
     """`encode(image)`: an image (path, bytes or PIL image) as SoftTokens, through the vision model; the newest
     CACHED_IMAGES results kept by pixel hash. `encoded` counts the vision model's calls."""
+
+    kind = "image"
 
     def __init__(self, package, table: np.ndarray, entry: dict):
         self.package, self.table, self.entry = package, table, entry
@@ -148,13 +174,13 @@ def open_image_encoder(root: str | Path, backend: str, precision: str, compute_u
     return ImageEncoder(package, table, entry)
 
 
-# -- image prompts ----------------------------------------------------------------------------------------------
+# -- prompts with media ----------------------------------------------------------------------------------------
 
 
-def image_sources(messages: list) -> list[tuple[str, object]]:
-    """(where, source) of every image part in `messages`, in the order the chat template renders their
+def media_sources(messages: list) -> list[tuple[str, str, object]]:
+    """(part type, where, source) of every media part in `messages`, in the order the chat template renders their
     placeholders: {"type": "image", "image": path, bytes or PIL image} (or "path"), and OpenAI's
-    {"type": "image_url", "image_url": {"url": "data:..."}}."""
+    {"type": "image_url", "image_url": {"url": "data:..."}}, both of type "image"."""
     found = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -166,37 +192,41 @@ def image_sources(messages: list) -> list[tuple[str, object]]:
                 source = part.get("image", part.get("path"))
                 if source is None:
                     raise ImageError(f"{where}: an image part needs 'image' (a path, bytes or a PIL image)")
-                found.append((where, source))
+                found.append(("image", where, source))
             elif kind == "image_url":
                 url = part.get("image_url")
-                found.append((where, data_url_bytes(url.get("url") if isinstance(url, dict) else url, where)))
+                found.append(("image", where, data_url_bytes(url.get("url") if isinstance(url, dict) else url, where)))
     return found
 
 
-def expand_images(ids: list[int], marks: list[int], encoder: ImageEncoder | None, sources: list, context: int):
-    """The prompt with each image placeholder (one id, as the template renders it) replaced by begin-of-image,
-    the image's soft-token keys and end-of-image, as transformers' processor expands it; `marks` (positions in
-    `ids`) moved with it. Returns (ids, marks, {key: row} for the engine). A prompt longer than `context` is
-    refused before any image is encoded."""
-    if encoder is None:
-        if sources:
-            raise ImageError(f"{sources[0][0]}: this bundle has no vision model (converted without one)")
-        return ids, marks, {}
-    boi, placeholder, eoi = encoder.token_ids
-    if ids.count(placeholder) != len(sources):
-        raise ImageError(f"the prompt holds {ids.count(placeholder)} image placeholder(s) for {len(sources)} image(s)")
-    prepared = [encoder.prepare(source, where) for where, source in sources]
-    n = len(ids) + sum(encoder.soft_tokens(p) + 1 for p in prepared)  # + begin and end, - the placeholder
+def expand_media(ids: list[int], marks: list[int], encoders: dict[str, MediaEncoder], sources: list, context: int):
+    """The prompt with each placeholder (one id, as the template renders it) replaced by its encoder's begin id,
+    the source's soft-token keys and its end id, as transformers' processor expands it; `marks` (positions in
+    `ids`) moved with it. `sources` are media_sources' and `encoders` are keyed by their part type. Returns (ids,
+    marks, {key: row} for the engine). A prompt longer than `context` is refused before anything is encoded."""
+    for kind, where, _ in sources:
+        if kind not in encoders:
+            raise ImageError(f"{where}: this bundle has no {MODEL_OF[kind]} (converted without one)")
+    by_placeholder = {e.token_ids[1]: e for e in encoders.values()}
+    for placeholder, e in by_placeholder.items():
+        n = sum(kind == e.kind for kind, _, _ in sources)
+        if ids.count(placeholder) != n:
+            raise ImageError(f"the prompt holds {ids.count(placeholder)} {e.kind} placeholder(s) for {n} {e.kind}(s)")
+    prepared = [encoders[kind].prepare(source, where) for kind, where, source in sources]
+    n = len(ids) + sum(encoders[s[0]].soft_tokens(p) + 1 for s, p in zip(sources, prepared))  # + begin, end - one
     if n > context:
         raise ContextOverflow(f"prompt of {n} tokens (images included) exceeds the context of {context}")
-    images = iter([encoder.encode(s, w, p) for (w, s), p in zip(sources, prepared)])
+    queues = {kind: [] for kind in encoders}  # each part type's soft tokens, in prompt order
+    for (kind, where, source), p in zip(sources, prepared):
+        queues[kind].append(encoders[kind].encode(source, where, p))
     out, moved, soft = [], {}, {}
     for p, t in enumerate(ids):
         moved[p] = len(out)
-        if t != placeholder:
+        if t not in by_placeholder:
             out.append(t)
             continue
-        image = next(images)
-        out += [boi, *image.keys, eoi]
-        soft.update(zip(image.keys, image.rows))
+        begin, _, end = by_placeholder[t].token_ids
+        tokens = queues[by_placeholder[t].kind].pop(0)
+        out += [begin, *tokens.keys, end]
+        soft.update(zip(tokens.keys, tokens.rows))
     return out, [moved[m] for m in marks], soft

@@ -19,7 +19,7 @@ from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
 from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
 from .drafter import open_drafter
-from .encoder import expand_images, image_sources, open_image_encoder
+from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
 from .sampling import BAN, Sampler, SamplingParams
@@ -106,6 +106,12 @@ class Model:
         self.stop_ids = (
             set(STOP_IDS) | {TOOL_RESPONSE_OPEN} | {int(e) for e in eos} | {int(config.get("eos_token_id", EOS))}
         )
+
+    @property
+    def encoders(self) -> dict:
+        """The bundle's media encoders by the content-part type they take (an audio encoder would join the image
+        encoder here)."""
+        return {e.kind: e for e in (self.images,) if e is not None}
 
     @property
     def context(self) -> int:
@@ -256,10 +262,10 @@ class Model:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
-        sources = image_sources(conversation)
+        sources = media_sources(conversation)
         t0 = time.perf_counter()  # the images' encoding counts as prompt time
         marks = self.turn_ends(conversation, ids, enable_thinking, tools) if conversation else []
-        ids, marks, self.engine.soft_tokens = expand_images(ids, marks, self.images, sources, self.context)
+        ids, marks, self.engine.soft_tokens = expand_media(ids, marks, self.encoders, sources, self.context)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, stop, tools=tools)
