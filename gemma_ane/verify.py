@@ -181,10 +181,12 @@ def verify_bundle(
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
     sidecars, against transformers fed the same dequantised tables. With `images` (paths, bytes or PIL
     images), the prompt holds them too, spread through its text: their soft tokens come from the bundle's
-    vision model, and the oracle is Gemma4ForConditionalGeneration fed the same pixels. `tokens` counts the
-    text positions; every image adds its own. `prompt_path="generate"` runs the prompt as generation does (KV-only
-    prefill, which has no logits but the last row's) and compares from the prompt's last position on: the rows
-    after it read the caches those batches wrote; the report then names the functions the prompt ran."""
+    vision model, and the oracle is Gemma4ForConditionalGeneration fed the same images through transformers'
+    processor. `tokens` counts the text positions; every image adds its own.
+
+    `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
+    row's) and compares from the prompt's last position on: the rows after it read the caches those batches
+    wrote; the report then names the functions the prompt ran."""
     from .bundle import open_engine, read_model_config
     from .encoder import open_image_encoder
 
@@ -254,12 +256,11 @@ def _with_images(ids: np.ndarray, prompt_len: int, soft: list, encoder) -> tuple
 
 def _oracle_with_images(ckpt: Checkpoint, tables: dict, ids: list[int], images: list, encoder) -> np.ndarray:
     """transformers' Gemma4ForConditionalGeneration (fp32) over the same prompt: each soft-token key becomes the
-    image placeholder id, and the images arrive as pixels (our preprocessing, equal to transformers' processor:
-    tests/test_images.py). Embedding tables as oracle_model's: their int8 round trip, the head untied."""
+    image placeholder id, and the images arrive as transformers' own processor makes their pixels (from the files
+    as its load_image opens them), so nothing of ours stands between a picture and the oracle. Embedding tables as
+    oracle_model's: their int8 round trip, the head untied."""
     import torch
     from transformers import Gemma4ForConditionalGeneration
-
-    from .images import preprocess
 
     model = Gemma4ForConditionalGeneration.from_pretrained(ckpt.root, dtype=torch.float32, attn_implementation="eager")
     lm = model.model.language_model
@@ -272,17 +273,39 @@ def _oracle_with_images(ckpt: Checkpoint, tables: dict, ids: list[int], images: 
             getattr(lm, name).weight.copy_(torch.from_numpy(dequantize_rows(tables[q], tables[s], 1.0)))
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(head)
-    e = encoder.entry
-    patches = [preprocess(i, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"]) for i in images]
+    pixels = _oracle_pixels(images, encoder.entry)
     placeholder = encoder.token_ids[1]
     with torch.no_grad():
         out = model.eval()(
             input_ids=torch.tensor([[t if t >= 0 else placeholder for t in ids]]),
-            pixel_values=torch.from_numpy(np.stack([p.pixel_values for p in patches])),
-            image_position_ids=torch.from_numpy(np.stack([p.positions for p in patches])).long(),
+            pixel_values=torch.from_numpy(pixels["pixel_values"]),
+            image_position_ids=torch.from_numpy(pixels["image_position_ids"]).long(),
             use_cache=False,
         )
     return out.logits[0].float().numpy()
+
+
+def _oracle_pixels(images: list, entry: dict) -> dict:
+    """transformers' Gemma 4 image processor (PIL backend) on `images` (paths, bytes or PIL images) at the bundle's
+    budget and patch geometry."""
+    import io
+    import os
+
+    from PIL import Image
+    from transformers.image_utils import load_image
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    def opened(src):
+        if isinstance(src, (str, os.PathLike)):
+            return load_image(os.fspath(src))
+        return Image.open(io.BytesIO(src)) if isinstance(src, (bytes, bytearray, memoryview)) else src
+
+    processor = Gemma4ImageProcessorPil(
+        max_soft_tokens=entry["image_tokens"],
+        patch_size=entry["patch_size"],
+        pooling_kernel_size=entry["pooling_kernel_size"],
+    )
+    return processor([opened(i) for i in images], return_tensors="np")
 
 
 def _prompt_len(prompt_len, tokens):

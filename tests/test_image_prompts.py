@@ -1,6 +1,6 @@
 """Image prompts end to end: a bundle with a vision model (conftest's `vision_bundle`: 16-bit, 70 soft tokens an
-image, context 256) against transformers' Gemma4ForConditionalGeneration fed the same pixels, at every position;
-then the Python API, prefix reuse, prompt cache files and the CLI with images."""
+image, context 256) against transformers' Gemma4ForConditionalGeneration fed the same files (through its own
+processor), at every position; then the Python API, prefix reuse, prompt cache files and the CLI with images."""
 
 import base64
 import json
