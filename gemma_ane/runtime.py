@@ -39,7 +39,8 @@ class Stats:
     prefill_tokens_per_s: float = 0.0  # prompt tokens processed (not reused) per second
     decode_tokens_per_s: float = 0.0  # tokens after the first, per second
     # speculative decoding (draft_tokens): drafts the target accepted / drafts proposed, and tokens emitted per
-    # verify call (accepted drafts plus the target's own token); 0.0 when no draft was verified
+    # verify call (accepted drafts plus the target's own token, less any a stop cut off); 0.0 when no draft was
+    # verified
     acceptance_rate: float = 0.0
     tokens_per_verify: float = 0.0
 
@@ -351,6 +352,7 @@ class Model:
         while True:
             n = min(k, budget - emitted - 1)
             batch = self._verify(token, n, sampler, spec) if n >= 1 and engine.can_verify() and self.drafter else None
+            verified = batch is not None
             if batch is None:
                 logits = engine.feed([token])[-1]
                 token = sampler.sample(logits)
@@ -362,6 +364,8 @@ class Model:
                     yield token, row
                 except GeneratorExit:
                     engine.rewind(start + i + 1)  # as plain decoding: every token taken but the last is cached
+                    if verified:  # a stop inside the batch: what followed it was never emitted
+                        spec.emitted -= len(batch) - i - 1
                     raise
             emitted += len(batch)
 

@@ -6,6 +6,7 @@ rejected nearly always. Against transformers' drafter and the converted assistan
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -134,6 +135,10 @@ def test_a_stop_string_inside_a_verified_batch(graph, reference):
         len(r.tokens) < len(plain.tokens) - K
         and model.engine.tokens == list(reference[1].values())[: 12 + len(r.tokens) - 1]
     )
+    # every draft held, so each call emitted K + 1 tokens, but the last only those up to the stop
+    after_first = len(r.tokens) - 1  # the first token comes from the prompt's logits
+    assert after_first % (K + 1) and r.acceptance_rate == 1.0
+    assert r.tokens_per_verify == after_first / math.ceil(after_first / (K + 1))
 
 
 def test_prefix_reuse_after_drafting(graph, reference):
