@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import http.client
 import io
 import json
 import logging
@@ -30,6 +31,8 @@ import re
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -45,6 +48,7 @@ log = logging.getLogger("gemma_ane.server")
 
 API_KEY_ENV = "GEMMA_ANE_API_KEY"
 TEXT_BODY = 1_000_000  # bytes: a request body without images
+FETCH_SECONDS = 10  # a remote image's fetch: the longest wait for the network (serve --allow-remote-images)
 _END = object()  # the worker's last item for a job: nothing more will come
 
 
@@ -244,6 +248,9 @@ class ImageLimits:
     max_image_bytes: int = 10_000_000  # an image's file, decoded from base64
     max_image_pixels: int = 40_000_000  # width * height, from the file's header
     max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
+    # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
+    # client, which could otherwise make it reach any address it can (its own network included)
+    remote_images: bool = False
 
     def __post_init__(self):
         for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
@@ -331,9 +338,14 @@ def _images(messages: list[dict], model, limits: ImageLimits) -> None:
 
 
 def _image_file(url, where: str, limits: ImageLimits) -> bytes:
-    """The file a data: URL holds, within the limits; a remote URL is refused (never fetched)."""
+    """The file a data: URL holds, or with remote_images the one an http(s) URL serves, within the limits; a
+    remote URL is otherwise refused (never fetched)."""
+    url = url["url"] if isinstance(url, dict) else url
     try:
-        data = data_url_bytes(url["url"] if isinstance(url, dict) else url, where)
+        if limits.remote_images and url.startswith(("http://", "https://")):
+            data = _fetch(url, where, limits.max_image_bytes)
+        else:
+            data = data_url_bytes(url, where)
         if len(data) > limits.max_image_bytes:
             message = f"{where}: the image is {len(data)} bytes, more than the limit of {limits.max_image_bytes}"
             raise APIError(413, message, param=where, code="image_too_large")
@@ -344,6 +356,32 @@ def _image_file(url, where: str, limits: ImageLimits) -> bytes:
         message = f"{where}: {width}x{height} pixels, more than the limit of {limits.max_image_pixels}"
         raise APIError(413, message, param=where, code="image_too_large")
     return data
+
+
+class _HTTPOnly(urllib.request.HTTPRedirectHandler):
+    """Redirects stay on http(s): a remote server cannot send the fetch to ftp: or elsewhere."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not newurl.startswith(("http://", "https://")):
+            raise urllib.error.URLError(f"redirected to {newurl[:60]!r}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(url: str, where: str, max_bytes: int) -> bytes:
+    """An image URL's file: at most max_bytes + 1 bytes read (one more says it is too large), in FETCH_SECONDS per
+    network wait. Any failure is one ImageError naming the URL."""
+    opener = urllib.request.build_opener(_HTTPOnly)
+    request = urllib.request.Request(url, headers={"User-Agent": "gemma-ane"})
+    try:
+        with opener.open(request, timeout=FETCH_SECONDS) as r:
+            return r.read(max_bytes + 1)
+    except urllib.error.HTTPError as e:
+        reason = f"HTTP {e.code} {e.reason}"
+    except urllib.error.URLError as e:
+        reason = str(e.reason)
+    except (OSError, ValueError, http.client.HTTPException) as e:  # timeouts, resets, a malformed URL or reply
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    raise ImageError(f"{where}: fetching {url[:80]!r} failed ({' '.join(reason.split())})")
 
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
@@ -827,11 +865,13 @@ def build_app(
     max_image_bytes: int = ImageLimits.max_image_bytes,
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
+    remote_images: bool = False,
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
     `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
-    `max_images` base64 images of `max_image_bytes` when the model takes images."""
+    `max_images` base64 images of `max_image_bytes` when the model takes images; `remote_images`: fetch http(s)
+    image URLs (off: refused)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -840,7 +880,7 @@ def build_app(
 
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images)
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     vocab = Vocab(model.tokenizer)
@@ -878,7 +918,9 @@ def build_app(
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
-            req = parse_request(await _read_json(request, max_body), kind, model, model_name, limits)
+            body = await _read_json(request, max_body)
+            # off the event loop: with remote images, checking a request fetches them
+            req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits)
             req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
@@ -943,10 +985,11 @@ def serve(
     max_image_bytes: int = ImageLimits.max_image_bytes,
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
+    remote_images: bool = False,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
-    `max_image_*`, `max_images`: what one request's images may be (see ImageLimits)."""
+    `max_image_*`, `max_images`, `remote_images`: what one request's images may be (see ImageLimits)."""
     import uvicorn
 
     from .runtime import load
@@ -955,10 +998,12 @@ def serve(
         raise ValueError(f"port={port}: expected 0..65535")
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images)  # refused before the model loads
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)  # checked before loading
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
+    if remote_images:
+        log.warning("--allow-remote-images: requests may make this server fetch any http(s) URL it can reach")
     model = load(bundle, backend=backend)
     model.allow_special_tokens = allow_special_tokens
     model.use_drafts(draft_tokens)
@@ -992,6 +1037,7 @@ def _cmd_serve(a) -> int:
         max_image_bytes=a.max_image_bytes,
         max_image_pixels=a.max_image_pixels,
         max_images=a.max_images,
+        remote_images=a.allow_remote_images,
     )
     return 0
 
@@ -1041,7 +1087,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=limits.max_images,
         metavar="N",
-        help=f"most images in one request (default {limits.max_images}); images come as data: URLs, never fetched",
+        help=f"most images in one request (default {limits.max_images})",
+    )
+    p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs a request names (default: only data: URLs; the server fetches nothing, "
+        "as it could reach any address it can, your own network included)",
     )
     p.set_defaults(fn=_cmd_serve)
 

@@ -262,3 +262,98 @@ def test_an_image_over_http_equals_the_library(vision_bundle):
     assert r.choices[0].message.content == want.text
     assert r.usage.completion_tokens == len(want.tokens)
     assert r.usage.prompt_tokens == want.prompt_tokens > 70  # the image's 70 soft tokens are counted
+
+
+# -- remote image URLs: refused unless serve --allow-remote-images -------------------------------------------------
+
+
+@pytest.fixture
+def web():
+    """A loopback HTTP server: /small.png (SMALL), /big.png (a larger file), /moved (to /small.png), /ftp (a
+    redirect off http), and 404 for anything else. Yields its base URL and the paths it was asked for."""
+    import http.server
+    import threading
+
+    files, asked = {"/small.png": SMALL, "/big.png": png(60, 60)}, []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            moved = {"/moved": "/small.png", "/ftp": "ftp://127.0.0.1/x.png"}.get(self.path)
+            if moved:
+                self.send_response(302)
+                self.send_header("Location", moved)
+                self.end_headers()
+            elif self.path in files:
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(files[self.path])
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def remote(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_remote_urls_are_refused_and_never_fetched_by_default(web):
+    base, asked = web
+    with serving(fake()) as http:
+        r = ask(http, remote(f"{base}/small.png"))
+    assert (
+        "remote image URLs are not fetched"
+        in assert_openai_error(r, 400, "messages[0].content[0].image_url")["message"]
+    )
+    assert asked == []
+
+
+def test_allowed_remote_images_are_fetched_within_the_limits(web):
+    base, asked = web
+    model = fake()
+    with serving(model, remote_images=True, max_image_bytes=len(SMALL)) as http:
+        assert ask(http, remote(f"{base}/small.png"), text("and"), remote(f"{base}/moved")).status_code == 200
+        assert f"more than the limit of {len(SMALL)}" in too_large(ask(http, remote(f"{base}/big.png")))
+        for path, needle in [("/nowhere.png", "HTTP 404"), ("/ftp", "redirected to 'ftp://")]:
+            message = assert_openai_error(ask(http, remote(base + path)), 400, "messages[0].content[0].image_url")
+            assert f"fetching '{base}{path}' failed" in message["message"] and needle in message["message"]
+        ok = ask(http, image_url(SMALL))  # data: URLs as ever
+    assert ok.status_code == 200
+    assert model.calls[0]["messages"][0]["content"] == [
+        {"type": "image", "image": SMALL},
+        text("and"),
+        {"type": "image", "image": SMALL},
+    ]
+    assert asked == ["/small.png", "/moved", "/small.png", "/big.png", "/nowhere.png", "/ftp"]
+
+
+def test_serve_allow_remote_images_turns_fetching_on(monkeypatch, tmp_path, web):
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    import gemma_ane.runtime
+    from gemma_ane import server
+
+    base, asked = web
+    served = []
+    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: fake())
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    for flags in ([], ["--allow-remote-images"]):
+        assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
+    statuses = []
+    for app in served:
+        with TestClient(app) as http:
+            statuses.append(ask(http, remote(f"{base}/small.png")).status_code)
+    assert statuses == [400, 200] and asked == ["/small.png"]
