@@ -95,15 +95,18 @@ class MediaEncoder(Protocol):
     kind: str  # the content-part type it takes ("image")
 
     @property
-    def token_ids(self) -> tuple[int, int, int]: ...  # (begin, placeholder, end): the placeholder is what the
+    def token_ids(self) -> tuple[int, int, int]:
+        """(begin, placeholder, end): the template renders a part as the placeholder, which becomes begin, the
+        soft tokens' keys, end."""
 
-    # template renders for a part; it becomes begin, the soft tokens' keys, end
+    def prepare(self, source, what: str):
+        """The source loaded and checked (errors name `what`), ready for soft_tokens and encode."""
 
-    def prepare(self, source, what: str): ...
+    def soft_tokens(self, prepared) -> int:
+        """How many soft tokens the prepared source takes."""
 
-    def soft_tokens(self, prepared) -> int: ...
-
-    def encode(self, source, what: str, prepared=None) -> SoftTokens: ...
+    def encode(self, source, what: str, prepared=None) -> SoftTokens:
+        """The source's soft tokens (from `prepared` when given)."""
 
 
 class ImageEncoder:
