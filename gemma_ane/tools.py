@@ -20,6 +20,11 @@ from typing import NoReturn
 Q = '<|"|>'  # the string delimiter, one token (tokens.STRING_DELIM)
 NAME = re.compile(r"[\w.:-]+")  # a function name: it must end where the call's arguments begin
 STANDARD_KEYS = ("description", "type", "properties", "required", "nullable")
+# How deep a client's JSON (a tool's parameters, a call's arguments, a response format's schema, a message's
+# content) may nest. The template, the escaping and the grammar's rules walk it a Python frame or more a level:
+# a few thousand brackets would exhaust the stack (RecursionError, not the client's error) long before any
+# schema or argument a model is asked to follow gets that deep.
+MAX_DEPTH = 64
 
 
 class ToolError(ValueError):
@@ -31,6 +36,35 @@ class ToolError(ValueError):
 
 
 # -- checking what a client sends --------------------------------------------------------------------
+
+
+def too_deep(value, limit: int = MAX_DEPTH) -> bool:
+    """Does `value` (dicts, lists and tuples of values) nest containers more than `limit` deep? Found a level
+    at a time, without recursion, so any depth is measured."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [
+            item
+            for x in level
+            for item in (x.values() if isinstance(x, Mapping) else x if isinstance(x, (list, tuple)) else ())
+        ]
+        if not level:
+            return False
+    return True
+
+
+def _check_name(name, where: str) -> str:
+    """A function's name, as the template prints it: bare, between control tokens, so nothing but a name."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ToolError(where, f"expected a name of letters, digits, _ . : -, got {name!r}")
+    return name
+
+
+def check_depth(fields: Mapping, where: str) -> None:
+    """A ToolError naming the first of `fields` (an object's fields, at `where`) nested more than MAX_DEPTH deep."""
+    for key, value in fields.items():
+        if too_deep(value):
+            raise ToolError(f"{where}.{key}", f"nested more than {MAX_DEPTH} deep")
 
 
 def check_tools(tools) -> list[dict]:
@@ -49,9 +83,7 @@ def check_tools(tools) -> list[dict]:
         if not isinstance(f, dict):
             raise ToolError(f"{where}.function", "expected an object")
         f = {k: v for k, v in f.items() if v is not None}
-        name = f.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ToolError(f"{where}.function.name", f"expected a name of letters, digits, _ . : -, got {name!r}")
+        name = _check_name(f.get("name"), f"{where}.function.name")
         if name in seen:
             raise ToolError(f"{where}.function.name", f"{name!r} is defined twice")
         seen.add(name)
@@ -62,16 +94,27 @@ def check_tools(tools) -> list[dict]:
             raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
         if not isinstance(params.get("properties", {}), dict):
             raise ToolError(f"{where}.function.parameters.properties", "expected an object")
+        check_depth(f, f"{where}.function")
+        check_depth({k: v for k, v in tool.items() if k != "function"}, where)
         out.append({**tool, "function": f})
     return out
 
 
 def prepare_messages(messages: list) -> list:
     """`messages` with each tool call's JSON-string `arguments` (as OpenAI clients send them) parsed into
-    the mapping the template requires; copies, the caller's messages stay as they are."""
+    the mapping the template requires, each call's name checked as a declaration's is (the template prints
+    it bare, between control tokens) and its fields' nesting bounded; copies, the caller's messages stay as
+    they are."""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
+        # a result's function name is printed bare too: a tool message's own, or a Gemma-style tool_responses'
+        if isinstance(m, dict) and m.get("role") == "tool" and m.get("name") is not None:
+            _check_name(m["name"], f"messages[{i}].name")
+        responses = m.get("tool_responses") if isinstance(m, dict) else None
+        for k, r in enumerate(responses if isinstance(responses, list) else []):
+            if isinstance(r, dict) and r.get("name") is not None:
+                _check_name(r["name"], f"messages[{i}].tool_responses[{k}].name")
         if isinstance(calls, list):
             m = {**m, "tool_calls": [_parsed(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
         out.append(m)
@@ -80,15 +123,24 @@ def prepare_messages(messages: list) -> list:
 
 def _parsed(call, where: str):
     f = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+    if not isinstance(f, dict):
+        return call
+    _check_name(f.get("name"), f"{where}.function.name")
+    check_depth({k: v for k, v in call.items() if k != "function"}, where)
+    check_depth(f, f"{where}.function")
+    if not isinstance(f.get("arguments"), str):
         return call
     where += ".function.arguments"
     try:
         arguments = json.loads(f["arguments"])
-    except ValueError as e:  # RecursionError is not one: json's decoder is iterative
+    except ValueError as e:
         raise ToolError(where, f"not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses a level at a time: some thousand levels exhaust the stack
+        raise ToolError(where, f"nested more than {MAX_DEPTH} deep") from None
     if not isinstance(arguments, dict):
         raise ToolError(where, f"expected a JSON object, got {type(arguments).__name__}")
+    if too_deep(arguments):
+        raise ToolError(where, f"nested more than {MAX_DEPTH} deep")
     return {**call, "function": {**f, "arguments": arguments}}
 
 
