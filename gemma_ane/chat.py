@@ -24,7 +24,7 @@ from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
 from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN, SPECIAL_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from .tools import ToolCall, call_id, declaration, gemma_value, parse_call
+from .tools import MAX_DEPTH, ToolCall, call_id, declaration, gemma_value, parse_call, too_deep
 
 # the turn each role opens; "tool" messages open none: they are answers to the calls before them
 ROLES = {
@@ -328,6 +328,24 @@ def unused_mark(*values) -> str:
         if mark not in used:
             return mark
     raise ChatError("the messages hold every Unicode noncharacter (U+FDD0..U+FDEF, U+FFFE, U+FFFF, ...)")
+
+
+class TooDeep(ChatError):
+    """A message's field nested more than tools.MAX_DEPTH deep; `param` is its path."""
+
+    def __init__(self, param: str):
+        super().__init__(f"{param}: nested more than {MAX_DEPTH} deep")
+        self.param = param
+
+
+def check_nesting(messages) -> None:
+    """Refuses a message whose fields nest deeper than MAX_DEPTH, before escape_strings and the template walk
+    them a Python frame or more a level. Tool calls are tools.prepare_messages' to check (their arguments may
+    still be a JSON string here)."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        for key, value in m.items() if isinstance(m, dict) else ():
+            if key != "tool_calls" and too_deep(value):
+                raise TooDeep(f"messages[{i}].{key}")
 
 
 def escape_strings(value, escape):

@@ -22,6 +22,7 @@ from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
+from .tools import MAX_DEPTH
 
 
 def _plan_table(plan: ChunkPlan) -> str:
@@ -235,6 +236,8 @@ def _response_format(text: str) -> dict:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:  # the decoder recurses a level at a time: some thousand levels exhaust the stack
+        raise ValueError(f"{source}: nested more than {MAX_DEPTH} deep") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
     fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}

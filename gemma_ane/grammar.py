@@ -37,6 +37,7 @@ from .tokens import (
     TOOL_RESPONSE_OPEN,
     byte_symbols,
 )
+from .tools import MAX_DEPTH, too_deep
 
 WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 
@@ -122,6 +123,8 @@ def response_grammar(response_format, *, thinking: bool = False) -> str | None:
     else:
         param = "response_format.type"
         raise GrammarError(f"{param}: expected 'text', 'json_object' or 'json_schema', got {kind!r}", param=param)
+    if too_deep(schema):
+        raise GrammarError(f"{param}: nested more than {MAX_DEPTH} deep", param=param)
     options = {"whitespace_pattern": WHITESPACE, "lenient": not strict}
     body = json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
     return _checked(_start("answer", thinking) + f"answer: %json {body}\n", param)

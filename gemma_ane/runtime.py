@@ -17,7 +17,15 @@ from pathlib import Path
 from . import grammar, prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
-from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
+from .chat import (
+    ChatTemplate,
+    OutputParser,
+    check_nesting,
+    check_text,
+    escape_content,
+    escape_strings,
+    unused_mark,
+)
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
@@ -175,6 +183,8 @@ class Model:
         of call arguments stays text, whatever it spells, unless allow_special_tokens is set."""
         check_text(messages, "messages")
         check_text(tools, "tools")
+        check_nesting(messages)
+        tools = check_tools(tools) if tools is not None else None
         messages = prepare_messages(messages)
         if self.allow_special_tokens:
             text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)

@@ -122,6 +122,8 @@ def test_generate_json_schema_constrains_the_answer(tiny_bundle16, tmp_path, cap
         ("[1]", "--json-schema: a JSON schema is an object, not list"),
         ("{bad", "--json-schema: not JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
         ('{"type": 7}', "--json-schema: failed to compile JSON schema"),
+        ('{"a":' * 5000 + "1" + "}" * 5000, "--json-schema: nested more than 64 deep"),  # issue 25: a traceback
+        ('{"properties":' * 500 + "{}" + "}" * 500, "--json-schema: nested more than 64 deep"),
         ("missing.json", "--json-schema missing.json: cannot read (No such file or directory)"),
     ],
 )
@@ -132,3 +134,30 @@ def test_a_bad_json_schema_is_one_line_before_anything_loads(tmp_path, capsys, m
     assert main(["generate", str(tmp_path / "no-bundle"), "-p", "Hi", "--json-schema", given]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"gemma-ane generate: error: {problem}") and err.count("\n") == 1, err
+
+
+# -- bad input: nesting, and constraints that leave no token (issue 25) ------------------------------------
+
+
+def nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_deep_messages_and_tools_are_the_packages_own_errors(model):
+    """Issue 25: 4 KB of brackets in a message or a tool was a RecursionError from the escaping."""
+    from gemma_ane.chat import ChatError
+
+    with pytest.raises(ChatError) as e:
+        model.generate(messages=[{**ASK[0], "metadata": nested(500)}], max_tokens=1)
+    assert e.value.param == "messages[0].metadata" and str(e.value) == "messages[0].metadata: nested more than 64 deep"
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": nested(500)}}
+    with pytest.raises(ToolError) as e:  # prompt_ids checks the tools it is given as generate does
+        model.prompt_ids(messages=ASK, tools=[deep_tool])
+    assert e.value.param == "tools[0].function.parameters"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(nested(500))}}
+    with pytest.raises(ToolError) as e:
+        model.generate(messages=[*ASK, {"role": "assistant", "tool_calls": [call]}], tools=[WEATHER], max_tokens=1)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"
