@@ -354,26 +354,39 @@ class Constraint:
 
     The LLTokenizer is built from the bundle's tokenizer.json once per path; the model's vocabulary may
     be larger than the tokenizer's (ids past it are never allowed). Once the grammar is complete, only
-    `stop_ids` are allowed, so the mask is never empty."""
+    `stop_ids` are allowed. The mask may still leave nothing a caller can draw: a grammar this tokenizer
+    cannot spell, or a caller's bans (the runtime refuses both, see runtime._Rule)."""
 
     def __init__(self, grammar: str, tokenizer_json: str | Path, vocab_size: int, stop_ids):
         self.tokenizer = _tokenizer(str(Path(tokenizer_json).resolve()), vocab_size, tuple(sorted(map(int, stop_ids))))
         self.matcher = _lib().LLMatcher(self.tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"grammar: {_first_line(self.matcher.get_error())}", param=None)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.stop_ids = vocab_size, frozenset(map(int, stop_ids))
         self._bits = np.zeros((vocab_size + 31) // 32, np.int32)
 
-    def allowed(self) -> np.ndarray:
-        """A bool per token: may it come next?"""
+    def allowed(self, banned: np.ndarray | None = None) -> np.ndarray:
+        """A bool per token: may it come next? Never one of `banned` (ids: the caller's logit_bias bans)."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+        out = np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+        if banned is not None:
+            out[banned] = False
+        return out
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of `logits` (fp16 or fp32, one row of vocab_size) with every token the grammar forbids at
-        -inf; the caller's array stays the model's distribution (logprobs are reported from it)."""
+    def legal(self, token: int) -> bool:
+        """Does the grammar take `token` now? Not every token of the mask: llguidance's mask may hold one its
+        parser then refuses (an <unk> it reads as a byte no text has). A stop token ends a complete output, which
+        llguidance's validation does not count as taking it."""
+        if int(token) in self.stop_ids:
+            return self.matcher.is_accepting()
+        return self.matcher.validate_tokens([int(token)]) == 1
+
+    def mask(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+        """A copy of `logits` (fp16 or fp32, one row of vocab_size) with every token the grammar forbids (or
+        that `allowed`, when given, does not hold) at -inf; the caller's array stays the model's distribution
+        (logprobs are reported from it)."""
         out = np.full_like(logits, -np.inf)
-        np.copyto(out, logits, where=self.allowed())
+        np.copyto(out, logits, where=self.allowed() if allowed is None else allowed)
         return out
 
     def advance(self, token: int) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
 from . import grammar, prompt_cache
 from .backend import pick_backend
 from .bundle import BundleError, check_bundle, open_engine
@@ -30,7 +32,7 @@ from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
-from .sampling import BAN, Sampler, SamplingParams
+from .sampling import BAN, Sampler, SamplingError, SamplingParams
 from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
 from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
 
@@ -268,6 +270,8 @@ class Model:
         if choice == "none":
             params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
         constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
+        rule = _Rule(constraint, params.logit_bias, choice, self.config["vocab_size"])
+        rule.check_start()
         drafts = self._drafts(draft_tokens, constraint)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
@@ -286,7 +290,7 @@ class Model:
         steps = (
             self._speculate(logits, sampler, drafts, max_tokens, spec)
             if drafts
-            else self._decode(logits, sampler, constraint)
+            else self._decode(logits, sampler, rule)
         )
         generated, finish, t_first = 0, None, None
         try:
@@ -340,12 +344,14 @@ class Model:
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
         )
 
-    def _decode(self, logits, sampler: Sampler, constraint) -> Iterator[tuple[int, object]]:
+    def _decode(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[tuple[int, object]]:
         """(token, the logits it was drawn from), one chunk call per token."""
+        constraint = rule.constraint
         while True:
-            token = self._pick(sampler, logits if constraint is None else constraint.mask(logits))
+            token = self._pick(sampler, logits) if constraint is None else self._allowed_pick(sampler, logits, rule)
             if constraint is not None:
                 constraint.advance(token)
+                rule.steps += 1
             sampler.observe(token)
             yield token, logits
             logits = self.engine.feed([token])[-1]
@@ -439,6 +445,35 @@ class Model:
         tokenizer = self.root / "hf_model" / "tokenizer.json"
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
+    def _allowed_pick(self, sampler: Sampler, logits, rule: _Rule) -> int:
+        """A token the grammar takes and logit_bias does not ban, never another: a token of llguidance's mask
+        that its parser then refuses is masked out too and the draw repeated; none left is `rule`'s error."""
+        allowed = rule.constraint.allowed(rule.banned)
+        while allowed.any():
+            token = self._pick(sampler, rule.constraint.mask(logits, allowed))
+            if allowed[token] and rule.constraint.legal(token):
+                return token
+            allowed[token] = False
+        raise rule.no_token()
+
+    def check_constraints(
+        self,
+        tools=None,
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        response_format=None,
+        enable_thinking=False,
+        logit_bias=None,
+    ) -> None:
+        """Refuses what stream_generate would refuse before its first token because its constraints leave no
+        token to draw (the grammar's first tokens all banned, or a grammar this tokenizer cannot spell): for
+        the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
+        tools = check_tools(tools) if tools is not None else None
+        choice = check_tool_choice(tool_choice, tools)
+        bias = {**(logit_bias or {}), **({TOOL_CALL_OPEN: BAN} if choice == "none" else {})}
+        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
+        _Rule(constraint, bias, choice, self.config["vocab_size"]).check_start()
+
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
             return int(logits[0])  # published head: chunk_3 already chose
@@ -458,6 +493,39 @@ class Model:
         for f in fields(Stats):
             setattr(r, f.name, getattr(ev, f.name))
         return r
+
+
+class _Rule:
+    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias
+    bans (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
+
+    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int):
+        self.constraint, self.vocab, self.choice = constraint, vocab, choice
+        self.banned = np.array(sorted(t for t, b in (logit_bias or {}).items() if b == BAN), np.int64)
+        self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
+        self.steps = 0
+
+    def check_start(self) -> None:
+        """Refuses a generation whose first draw would have no token, before anything runs."""
+        if self.constraint is None:
+            if len(self.banned) >= self.vocab:  # tool_choice "none" banned the one token logit_bias left
+                raise SamplingError(
+                    "logit_bias: it bans every token but <|tool_call>, which tool_choice 'none' bans",
+                    param="logit_bias",
+                )
+            return
+        if not any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed(self.banned)))):
+            raise self.no_token()
+
+    def no_token(self) -> ValueError:
+        """The error for a draw without a token: logit_bias's when it banned them all, else the grammar's."""
+        where = f"after {self.steps} token{'s' * (self.steps > 1)}" if self.steps else "at the start"
+        if len(self.banned) and any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed()))):
+            what = f"{self.field} {self.choice!r}" if self.field == "tool_choice" else self.field
+            return SamplingError(f"logit_bias: it bans every token {what} allows {where}", param="logit_bias")
+        return grammar.GrammarError(
+            f"{self.field}: no token of this tokenizer can continue it {where}", param=self.field
+        )
 
 
 def _conversation(prompt, messages, system) -> list[dict]:

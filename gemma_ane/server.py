@@ -541,6 +541,13 @@ def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLi
             raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1), param=lp_param) from None
         raise APIError(400, str(e), param=e.param) from None
     sampling["logit_bias"] = params.logit_bias  # its ids as ints
+    check = getattr(model, "check_constraints", None)  # the runtime's: constraints that leave no token to draw
+    if kind == "chat" and check is not None:
+        tooling = [kwargs[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "response_format")]
+        try:
+            check(*tooling, kwargs["enable_thinking"], params.logit_bias)
+        except (SamplingError, grammar.GrammarError) as e:
+            raise APIError(400, str(e), param=e.param) from None
     kwargs.update(sampling)
     return Request(kind, kwargs, stream, include_usage, logprobs)
 

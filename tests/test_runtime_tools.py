@@ -9,10 +9,14 @@ real tiny bundle's logits is tested through the server (tests/test_server_tools.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from scripted import ASK, PARIS, TIME, TOKYO, WEATHER, script, scripted_model
+from scripted import ASK, PARIS, TEMPLATE, TIME, TOKYO, VOCAB, WEATHER, ScriptedEngine, script, scripted_model
 
+from gemma_ane.chat import ChatTemplate
+from gemma_ane.runtime import Model
+from gemma_ane.tokenizer_files import build_tokenizer, write_tokenizer_files
 from gemma_ane.tokens import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_OPEN, TOOL_RESPONSE_OPEN
 from gemma_ane.tools import ToolError
 
@@ -161,3 +165,129 @@ def test_deep_messages_and_tools_are_the_packages_own_errors(model):
     with pytest.raises(ToolError) as e:
         model.generate(messages=[*ASK, {"role": "assistant", "tool_calls": [call]}], tools=[WEATHER], max_tokens=1)
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def constrained_model(root: Path, tokenizer=None) -> Model:
+    """The scripted model's engine (flat logits: the sampler and the constraint choose) with a bundle directory
+    holding tokenizer.json, as constrained decoding reads it: the test tokenizer, or `tokenizer`."""
+    (root / "hf_model").mkdir(parents=True)
+    if tokenizer is None:
+        write_tokenizer_files(root / "hf_model", VOCAB)
+        tokenizer = build_tokenizer(VOCAB)
+    else:
+        tokenizer.save(str(root / "hf_model" / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    return Model(root, ScriptedEngine(vocab), tokenizer, ChatTemplate(TEMPLATE), {}, {"vocab_size": vocab}, "none")
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    return constrained_model(tmp_path_factory.mktemp("flat"))
+
+
+def unspellable(root: Path) -> Model:
+    """A model whose tokenizer cannot write a double quote, nor any byte it has no token for."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "{": 4, "}": 5, **{f"x{i}": 6 + i for i in range(122)}}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    t.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    t.add_special_tokens([AddedToken(s, special=True) for s in ("<pad>", "<eos>", "<bos>", "<unk>")])
+    return constrained_model(root, t)
+
+
+EVERY_BUT_CALLS = {t: -100 for t in range(VOCAB) if t != TOOL_CALL_OPEN}
+QUOTED = {"type": "json_schema", "json_schema": {"name": "q", "schema": {"const": "a"}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    ("kw", "param", "message"),
+    [
+        (
+            dict(tools=[WEATHER], tool_choice="none", logit_bias=EVERY_BUT_CALLS),
+            "logit_bias",
+            "logit_bias: it bans every token but <|tool_call>, which tool_choice 'none' bans",
+        ),
+        (
+            dict(response_format={"type": "json_object"}, logit_bias={t: -100 for t in range(VOCAB - 1)}),
+            "logit_bias",
+            "logit_bias: it bans every token response_format allows at the start",
+        ),
+        (
+            dict(tools=[WEATHER], tool_choice="required", logit_bias={TOOL_CALL_OPEN: -100}),
+            "logit_bias",
+            "logit_bias: it bans every token tool_choice 'required' allows at the start",
+        ),
+    ],
+    ids=["tool-choice-none", "json-object", "tool-choice-required"],
+)
+def test_constraints_that_leave_no_first_token_are_refused_before_generation(
+    flat, monkeypatch, kw, param, message, temperature
+):
+    """Issue 25: these drew a banned token (greedy), a NaN probability (sampling) or a token the grammar
+    refuses; now nothing runs."""
+    from gemma_ane.sampling import SamplingError
+
+    monkeypatch.setattr(flat.engine, "prompt", lambda *a: pytest.fail("the prompt ran"))
+    with pytest.raises(SamplingError) as e:
+        next(flat.stream_generate(messages=ASK, temperature=temperature, max_tokens=5, **kw))
+    assert (e.value.param, str(e.value)) == (param, message)
+    flat.check_constraints(**{k: v for k, v in kw.items() if k != "logit_bias"})  # without the bans: fine
+    with pytest.raises(SamplingError) as e:
+        flat.check_constraints(**kw)  # what the server asks before a request queues
+    assert (e.value.param, str(e.value)) == (param, message)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_the_tokenizer_cannot_spell_is_refused_before_generation(tmp_path, temperature):
+    """llguidance's first mask holds <unk> alone, which its parser then refuses ("token 3 breaks the grammar")."""
+    from gemma_ane.grammar import GrammarError
+
+    model = unspellable(tmp_path)
+    with pytest.raises(GrammarError) as e:
+        model.generate("x1", raw=True, response_format=QUOTED, temperature=temperature, max_tokens=5)
+    assert e.value.param == "response_format"
+    assert str(e.value) == "response_format: no token of this tokenizer can continue it at the start"
+    # a format it can spell runs: "{" then "}"
+    r = model.generate("x1", raw=True, response_format={"type": "json_object"}, temperature=temperature, max_tokens=5)
+    assert r.text == "{}" and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_dead_end_later_ends_with_one_line_and_no_forbidden_token(flat, temperature):
+    """The grammar complete, only the stop tokens may follow: logit_bias banning them all is known only then."""
+    from gemma_ane.sampling import SamplingError
+
+    events, bans = [], {t: -100 for t in flat.stop_ids}
+    with pytest.raises(SamplingError) as e:
+        for ev in flat.stream_generate(
+            messages=ASK, response_format=QUOTED, logit_bias=bans, temperature=temperature, max_tokens=20
+        ):
+            events.append(ev)
+    text = "".join(ev.text for ev in events)
+    assert text == '"a"' and not any(ev.token in flat.stop_ids for ev in events)
+    n = len(events)
+    assert (e.value.param, str(e.value)) == (
+        "logit_bias",
+        f"logit_bias: it bans every token response_format allows after {n} tokens",
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_later_token_llguidance_masks_in_but_refuses_is_never_drawn(tmp_path, temperature):
+    """After "{" the schema needs a quoted key, which this tokenizer cannot write: llguidance's mask then holds
+    <unk> alone, which its parser refuses ("token 3 breaks the grammar" before issue 25)."""
+    from gemma_ane.grammar import GrammarError
+
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}
+    model, events = unspellable(tmp_path), []
+    with pytest.raises(GrammarError) as e:
+        for ev in model.stream_generate("x1", raw=True, response_format=rf, temperature=temperature, max_tokens=5):
+            events.append(ev)
+    assert [ev.text for ev in events] == ["{"]
+    assert (e.value.param, str(e.value)) == (
+        "response_format",
+        "response_format: no token of this tokenizer can continue it after 1 token",
+    )
