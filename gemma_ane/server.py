@@ -37,8 +37,8 @@ import uuid
 from pathlib import Path
 
 from . import grammar
-from .chat import ChatError
-from .engine import ContextOverflow
+from .chat import ChatError, StopError, check_stop
+from .engine import Cancelled, ContextOverflow
 from .images import ImageError, _pil, data_url_bytes
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
@@ -77,7 +77,8 @@ class APIError(Exception):
 
 
 class Job:
-    """One generation: its arguments, a cancel flag the worker checks between tokens, and the
+    """One generation: its arguments, a cancel flag the worker checks between tokens (the runtime, between
+    the prompt's steps and prefill batches), and the
     asyncio queue its events come back on."""
 
     def __init__(self, rid: str, kwargs: dict, loop: asyncio.AbstractEventLoop):
@@ -156,7 +157,8 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         tokens = 0
-        events = self.model.stream_generate(**job.kwargs)
+        # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
+        events = self.model.stream_generate(**job.kwargs, cancelled=job.cancelled.is_set)
         try:
             for ev in events:
                 job.put(ev)
@@ -165,6 +167,8 @@ class Worker:
                     # closing the generator at a yield leaves the caches and `cached` in step
                     log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
                     return
+        except Cancelled as e:
+            log.info("%s: client gone, %s", job.id, e)
         except ValueError as e:  # the request's fault (sampling, template, context): reported as 400
             log.info("%s: refused: %s", job.id, e)
             job.put(e)
@@ -419,12 +423,10 @@ def _tool_calls(calls, where: str) -> list:
 
 
 def _stop(body: dict) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
-        return [stop] if stop else None
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "stop: expected a string or an array of strings", param="stop")
-    return stop
+    try:
+        return [s for s in check_stop(body.get("stop")) if s] or None
+    except StopError as e:
+        raise APIError(400, str(e), param="stop") from None
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
