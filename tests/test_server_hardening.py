@@ -43,9 +43,9 @@ def test_the_server_refuses_an_unbounded_stop_before_it_queues():
 
     model = FakeModel(THOUGHT)
     with TestClient(build_app(model, model_name="fake")) as http:
-        for stop, param in [("x" * 100_000, "stop"), (["a", "b" * 5000], "stop[1]"), (list("abcde"), "stop")]:
+        for stop, where in [("x" * 100_000, "stop: "), (["a", "b" * 5000], "stop[1]: "), (list("abcde"), "stop: ")]:
             body = {"messages": [{"role": "user", "content": "hi"}], "stop": stop}
-            assert_openai_error(http.post(CHAT, json=body), 400, "stop")
+            assert assert_openai_error(http.post(CHAT, json=body), 400, "stop")["message"].startswith(where)
         ok = http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d"]})
     assert ok.status_code == 200 and len(model.calls) == 1
 
