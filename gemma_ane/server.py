@@ -7,7 +7,7 @@ tokenised before they queue, so a bad one fails at once instead of after waiting
 
 Images come as OpenAI's image_url parts holding data: URLs; the server decodes the base64 once and checks each
 file's size and its header's pixel count (Pillow, the `vision` extra) before the request queues. It never
-fetches a remote URL for a client.
+fetches a remote URL for a client unless started with --allow-remote-images (then see gemma_ane.fetch).
 
 Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
 register `serve` and the runtime stays usable without them.
@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import http.client
 import io
 import json
 import logging
@@ -31,12 +30,10 @@ import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
-from . import grammar
+from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
 from .engine import Cancelled, ContextOverflow
 from .images import ImageError, _pil, data_url_bytes
@@ -48,7 +45,6 @@ log = logging.getLogger("gemma_ane.server")
 
 API_KEY_ENV = "GEMMA_ANE_API_KEY"
 TEXT_BODY = 1_000_000  # bytes: a request body without images
-FETCH_SECONDS = 10  # a remote image's fetch: the longest wait for the network (serve --allow-remote-images)
 _END = object()  # the worker's last item for a job: nothing more will come
 
 
@@ -253,13 +249,16 @@ class ImageLimits:
     max_image_pixels: int = 40_000_000  # width * height, from the file's header
     max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
     # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
-    # client, which could otherwise make it reach any address it can (its own network included)
+    # client. On, only public addresses are fetched (see gemma_ane.fetch)...
     remote_images: bool = False
+    # ...and these hosts and networks (serve --allow-fetch-from): addresses, CIDR networks or host names
+    allow_fetch_from: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+        fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
 
     def max_body(self, model) -> int:
         """The default body limit: text, plus max_images files as base64 when the model takes images."""
@@ -268,7 +267,7 @@ class ImageLimits:
         return TEXT_BODY + self.max_images * 4 * -(-self.max_image_bytes // 3)
 
 
-def _messages(body: dict, model, limits: ImageLimits) -> list[dict]:
+def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -294,7 +293,7 @@ def _messages(body: dict, model, limits: ImageLimits) -> list[dict]:
         if m.get("tool_calls") is not None:
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
-    _images(out, model, limits)
+    _images(out, model, limits, fetched)
     return out
 
 
@@ -319,7 +318,7 @@ def _part(part, where: str) -> dict:
     raise APIError(400, f"{where}: part type {kind!r} is not supported (text and image_url)", param=where)
 
 
-def _images(messages: list[dict], model, limits: ImageLimits) -> None:
+def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> None:
     """Replaces each image_url part by {"type": "image", "image": the file's bytes}, as the runtime takes it, once
     the request is within every limit: the model takes images, their count, then each file's size and pixels."""
     found = [
@@ -338,16 +337,38 @@ def _images(messages: list[dict], model, limits: ImageLimits) -> None:
         message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
         raise APIError(400, message, param="messages")
     for content, j, where in found:
-        content[j] = {"type": "image", "image": _image_file(content[j]["image_url"], f"{where}.image_url", limits)}
+        url = content[j]["image_url"]
+        content[j] = {"type": "image", "image": _image_file(url, f"{where}.image_url", limits, fetched)}
 
 
-def _image_file(url, where: str, limits: ImageLimits) -> bytes:
-    """The file a data: URL holds, or with remote_images the one an http(s) URL serves, within the limits; a
-    remote URL is otherwise refused (never fetched)."""
+def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
+    """The http(s) image URLs of a chat request to fetch before it is checked: none unless remote images are on,
+    the model takes images and the request holds no more than max_images (it is refused otherwise)."""
+    messages = body.get("messages")
+    if not limits.remote_images or getattr(model, "images", None) is None or not isinstance(messages, list):
+        return []
+    urls, images = [], 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images += 1
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if isinstance(url, str) and url.startswith(("http://", "https://")):
+                    urls.append(url)
+    return urls if images <= limits.max_images else []
+
+
+def _image_file(url, where: str, limits: ImageLimits, fetched: dict) -> bytes:
+    """The file a data: URL holds, or with remote_images the one an http(s) URL served (`fetched`: by URL, None
+    for a failed fetch), within the limits; a remote URL is otherwise refused (never fetched)."""
     url = url["url"] if isinstance(url, dict) else url
     try:
         if limits.remote_images and url.startswith(("http://", "https://")):
-            data = _fetch(url, where, limits.max_image_bytes)
+            data = fetched.get(url)
+            if data is None:
+                raise ImageError(f"{where}: {fetch.failure(url)}")
         else:
             data = data_url_bytes(url, where)
         if len(data) > limits.max_image_bytes:
@@ -360,32 +381,6 @@ def _image_file(url, where: str, limits: ImageLimits) -> bytes:
         message = f"{where}: {width}x{height} pixels, more than the limit of {limits.max_image_pixels}"
         raise APIError(413, message, param=where, code="image_too_large")
     return data
-
-
-class _HTTPOnly(urllib.request.HTTPRedirectHandler):
-    """Redirects stay on http(s): a remote server cannot send the fetch to ftp: or elsewhere."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if not newurl.startswith(("http://", "https://")):
-            raise urllib.error.URLError(f"redirected to {newurl[:60]!r}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _fetch(url: str, where: str, max_bytes: int) -> bytes:
-    """An image URL's file: at most max_bytes + 1 bytes read (one more says it is too large), in FETCH_SECONDS per
-    network wait. Any failure is one ImageError naming the URL."""
-    opener = urllib.request.build_opener(_HTTPOnly)
-    request = urllib.request.Request(url, headers={"User-Agent": "gemma-ane"})
-    try:
-        with opener.open(request, timeout=FETCH_SECONDS) as r:
-            return r.read(max_bytes + 1)
-    except urllib.error.HTTPError as e:
-        reason = f"HTTP {e.code} {e.reason}"
-    except urllib.error.URLError as e:
-        reason = str(e.reason)
-    except (OSError, ValueError, http.client.HTTPException) as e:  # timeouts, resets, a malformed URL or reply
-        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    raise ImageError(f"{where}: fetching {url[:80]!r} failed ({' '.join(reason.split())})")
 
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
@@ -483,9 +478,12 @@ class Request:
         self.prompt_tokens = 0
 
 
-def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits()) -> Request:
+def parse_request(
+    body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits(), fetched: dict | None = None
+) -> Request:
     """Check every field's type and range, and the images against `limits` (nothing about the prompt's
-    length: that needs the tokenizer, see `count_prompt`)."""
+    length: that needs the tokenizer, see `count_prompt`). `fetched`: the files of `remote_urls(body)` by URL (None
+    for a failed fetch), as a fetch.Fetcher returns them; a remote URL missing there counts as a failed fetch."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
         raise APIError(
@@ -506,7 +504,7 @@ def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLi
     sampling["seed"] = _field(body, "seed", int)
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
-        kwargs["messages"] = _messages(body, model, limits)
+        kwargs["messages"] = _messages(body, model, limits, fetched or {})
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
         kwargs["enable_thinking"] = _field(
             template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
@@ -868,12 +866,13 @@ def build_app(
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
+    allow_fetch_from=(),
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
     `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
     `max_images` base64 images of `max_image_bytes` when the model takes images; `remote_images`: fetch http(s)
-    image URLs (off: refused)."""
+    image URLs on public addresses and those `allow_fetch_from` names (off: refused)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -882,9 +881,10 @@ def build_app(
 
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
+    fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
     vocab = Vocab(model.tokenizer)
     started = int(time.time())
 
@@ -921,8 +921,10 @@ def build_app(
         async def generate(request):
             authorize(request)
             body = await _read_json(request, max_body)
-            # off the event loop: with remote images, checking a request fetches them
-            req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits)
+            # remote images are fetched on a pool of their own, awaited here: a slow one holds no shared thread
+            urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
+            fetched = await fetcher(urls) if urls else {}
+            req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
             req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
@@ -958,6 +960,8 @@ def build_app(
     async def lifespan(app):
         yield
         await run_in_threadpool(worker.stop)
+        if fetcher is not None:
+            fetcher.close()
 
     app = Starlette(
         routes=[
@@ -988,6 +992,7 @@ def serve(
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
+    allow_fetch_from=(),
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -1000,12 +1005,13 @@ def serve(
         raise ValueError(f"port={port}: expected 0..65535")
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)  # checked before loading
+    # checked before loading
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     if remote_images:
-        log.warning("--allow-remote-images: requests may make this server fetch any http(s) URL it can reach")
+        log.warning("--allow-remote-images: requests may make this server fetch http(s) URLs on public addresses")
     model = load(bundle, backend=backend)
     model.allow_special_tokens = allow_special_tokens
     model.use_drafts(draft_tokens)
@@ -1040,6 +1046,7 @@ def _cmd_serve(a) -> int:
         max_image_pixels=a.max_image_pixels,
         max_images=a.max_images,
         remote_images=a.allow_remote_images,
+        allow_fetch_from=a.allow_fetch_from,
     )
     return 0
 
@@ -1094,8 +1101,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-remote-images",
         action="store_true",
-        help="fetch http(s) image URLs a request names (default: only data: URLs; the server fetches nothing, "
-        "as it could reach any address it can, your own network included)",
+        help="fetch http(s) image URLs a request names, on public addresses only (default: only data: URLs; the "
+        f"server fetches nothing); {fetch.FETCH_SECONDS:g} s a fetch",
+    )
+    p.add_argument(
+        "--allow-fetch-from",
+        action="append",
+        default=[],
+        metavar="CIDR_OR_HOST",
+        help="with --allow-remote-images, also fetch from this address, network or host though it is not public "
+        "(loopback, private, link-local); repeatable",
     )
     p.set_defaults(fn=_cmd_serve)
 
