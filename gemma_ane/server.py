@@ -336,9 +336,31 @@ def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> 
     if len(found) > limits.max_images:
         message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
         raise APIError(400, message, param="messages")
+    for i, m in enumerate(messages):
+        why = _no_images_here(messages, i)
+        image = next((j for j, p in enumerate(m["content"]) if p["type"] == "image_url"), None) if why else None
+        if image is not None:
+            where = f"messages[{i}].content[{image}]"
+            raise APIError(400, f"{where}: {why}; send images in user messages", param=where)
     for content, j, where in found:
         url = content[j]["image_url"]
         content[j] = {"type": "image", "image": _image_file(url, f"{where}.image_url", limits, fetched)}
+
+
+def _no_images_here(messages: list[dict], i: int) -> str | None:
+    """Why the chat template would drop the images of messages[i] (their placeholders never rendered), or None."""
+    role = messages[i]["role"]
+    if role == "system" and i == 0:
+        return "a leading system message cannot hold images (the template renders only its text)"
+    if role == "tool":
+        k = i
+        while k > 0 and messages[k - 1]["role"] == "tool":
+            k -= 1
+        if k == 0 or not messages[k - 1].get("tool_calls"):
+            return "a tool message that answers no assistant tool_calls cannot hold images (the template drops it)"
+    if role not in ("user", "assistant", "system", "tool"):
+        return f"a {role!r} message cannot hold images"
+    return None
 
 
 def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
@@ -728,9 +750,15 @@ class Render:
         return out
 
 
+_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
+
+
 def _error_of(exc: BaseException) -> APIError:
     if isinstance(exc, ContextOverflow):
         return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
+        part = _PART.match(str(exc))
+        return APIError(400, str(exc), param=part.group(0) if part else "messages")
     if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
         return APIError(400, str(exc))
     return APIError(500, "the generation failed; see the server log", type="server_error")
@@ -831,7 +859,23 @@ class Generation:
 # -- the app --------------------------------------------------------------------------------------
 
 
-async def _read_json(request, max_body: int) -> dict:
+def _image_url_chars(body: dict) -> int:
+    """The characters of a chat request's image_url URLs: the part of the body the image allowance is for."""
+    messages = body.get("messages")
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                total += len(url) if isinstance(url, str) else 0
+    return total
+
+
+async def _read_json(request, max_body: int, text_body: int) -> dict:
+    """The body as a JSON object, of at most max_body bytes, of which at most text_body outside image_url URLs (a
+    vision bundle's allowance for images is no allowance for text: stop strings, prompts, tools)."""
     from starlette.requests import ClientDisconnect
 
     too_big = APIError(413, f"the request body is larger than {max_body} bytes", code="request_too_large")
@@ -852,6 +896,11 @@ async def _read_json(request, max_body: int) -> dict:
         raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
+    if len(data) > text_body:
+        text = len(data) - _image_url_chars(body)
+        if text > text_body:
+            message = f"the request body holds {text} bytes besides its images, more than {text_body}"
+            raise APIError(413, message, code="request_too_large")
     return body
 
 
@@ -871,8 +920,9 @@ def build_app(
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
     `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
-    `max_images` base64 images of `max_image_bytes` when the model takes images; `remote_images`: fetch http(s)
-    image URLs on public addresses and those `allow_fetch_from` names (off: refused)."""
+    `max_images` base64 images of `max_image_bytes` when the model takes images (in their image_url parts only);
+    `remote_images`: fetch http(s) image URLs on public addresses and those `allow_fetch_from` names (off:
+    refused)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -882,6 +932,8 @@ def build_app(
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
+    # the image allowance counts only inside image_url parts; a max_body given is the limit of both
+    text_body = TEXT_BODY if max_body is None else max_body
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
@@ -920,7 +972,7 @@ def build_app(
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
-            body = await _read_json(request, max_body)
+            body = await _read_json(request, max_body, text_body)
             # remote images are fetched on a pool of their own, awaited here: a slow one holds no shared thread
             urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
             fetched = await fetcher(urls) if urls else {}

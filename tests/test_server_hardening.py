@@ -160,3 +160,81 @@ def test_a_client_gone_during_its_prompt_frees_the_worker():
         worker.stop()
         loop.close()
     assert len(worker.model.calls) == 2
+
+
+# -- the body limit of a vision bundle -------------------------------------------------------------------------------
+
+
+def test_a_vision_bundle_admits_image_bytes_not_text_bytes():
+    from test_server_images import SMALL, ask, fake, image_url, png, serving, text
+
+    long_text = "x" * 1_200_000  # over the text limit of 1 MB, far under a vision bundle's ~54 MB
+    with serving(fake()) as http:
+        r = http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stop": long_text})
+        err = assert_openai_error(r, 413, code="request_too_large")
+        assert "besides its images, more than 1000000" in err["message"]
+        assert_openai_error(ask(http, text(long_text), image_url(SMALL)), 413, code="request_too_large")
+        assert ask(http, text("look"), image_url(png(1000, 1000))).status_code == 200  # 4 MB of image: fine
+
+
+# -- image errors: named by their part -------------------------------------------------------------------------------
+
+
+class Loader:
+    """A vision model that only loads its images (as the bundle's encoder does first): the runtime's own errors."""
+
+    kind = "image"
+
+    def __init__(self, tokenizer):
+        self.token_ids = tuple(tokenizer.token_to_id(t) for t in ("<|image>", "<|image|>", "<image|>"))
+
+    def prepare(self, source, what):
+        from gemma_ane.images import load_image
+
+        load_image(source, what)
+        raise AssertionError("the image was expected to fail")
+
+
+def test_an_image_the_runtime_refuses_names_its_part():
+    from starlette.testclient import TestClient
+    from test_server_images import SMALL, image_url, text
+
+    model = scripted_model()
+    model.images = Loader(model.tokenizer)
+    truncated = SMALL[: len(SMALL) // 2]  # the header intact: the server's check passes, decoding does not
+    with TestClient(build_app(model, model_name="scripted")) as http:
+        body = {"messages": [{"role": "user", "content": [text("look"), image_url(truncated)]}], "max_tokens": 1}
+        err = assert_openai_error(http.post(CHAT, json=body), 400, "messages[0].content[1]")
+    assert err["message"].startswith("messages[0].content[1]: truncated or corrupt")
+
+
+@pytest.mark.parametrize(
+    "messages, where, needle",
+    [
+        ([{"role": "system", "content": "IMAGE"}, {"role": "user", "content": "hi"}], "messages[0]", "leading system"),
+        ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "IMAGE"}], "messages[1]", "tool message"),
+    ],
+)
+def test_an_image_in_a_message_that_drops_it_is_refused(messages, where, needle):
+    from test_server_images import SMALL, fake, image_url, serving, text
+
+    for m in messages:
+        if m["content"] == "IMAGE":
+            m["content"] = [text("see"), image_url(SMALL)]
+    model = fake()
+    with serving(model) as http:
+        err = assert_openai_error(http.post(CHAT, json={"messages": messages}), 400, f"{where}.content[1]")
+    assert needle in err["message"] and "send images in user messages" in err["message"] and model.calls == []
+
+
+def test_an_image_in_a_tool_result_is_taken():
+    from test_server_images import SMALL, fake, image_url, serving
+
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "tool_call_id": "c1", "content": [image_url(SMALL)]},
+    ]
+    with serving(fake()) as http:
+        assert http.post(CHAT, json={"messages": messages}).status_code == 200
