@@ -337,9 +337,10 @@ def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> 
         message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
         raise APIError(400, message, param="messages")
     for i, m in enumerate(messages):
-        why = _no_images_here(messages, i)
-        image = next((j for j, p in enumerate(m["content"]) if p["type"] == "image_url"), None) if why else None
-        if image is not None:
+        parts = m["content"] if isinstance(m["content"], list) else []
+        image = next((j for j, p in enumerate(parts) if p["type"] == "image_url"), None)
+        why = _no_images_here(messages, i) if image is not None else None
+        if why:
             where = f"messages[{i}].content[{image}]"
             raise APIError(400, f"{where}: {why}; send images in user messages", param=where)
     for content, j, where in found:
