@@ -113,7 +113,10 @@ def web(routes: dict):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 64  # the pool test's 45 connections at once
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -164,20 +167,42 @@ def test_every_failed_fetch_reads_the_same_to_the_client(monkeypatch):
 
 
 def test_slow_fetches_do_not_hold_the_threads_other_requests_need(monkeypatch):
-    """45 requests whose image trickles in: a text request is still answered at once."""
+    """45 requests whose image trickles in (more than Starlette's 40 worker threads): a text request is still
+    answered at once."""
+    import asyncio
+
+    import httpx
+
+    from gemma_ane.server import build_app
+
     monkeypatch.setattr(fetch, "FETCH_SECONDS", 4.0)
-    with web({"/slow.png": (200, {}, SMALL[:200], 0.05)}) as base:
-        with serving(fake(), remote_images=True, allow_fetch_from=["127.0.0.1"]) as http:
-            slow = [
-                threading.Thread(target=ask, args=(http, remote(f"{base}/slow.png?{i}")), daemon=True)
-                for i in range(45)
-            ]
-            for t in slow:
-                t.start()
-            time.sleep(0.5)
+    app = build_app(fake(), model_name="fake", remote_images=True, allow_fetch_from=["127.0.0.1"])
+
+    async def run(base):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            slow = [asyncio.ensure_future(ask_async(c, remote(f"{base}/slow.png?{i}"))) for i in range(45)]
+            await asyncio.sleep(0.5)
             t0 = time.monotonic()
-            r = http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
+            r = await c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
             took = time.monotonic() - t0
-            for t in slow:
-                t.join(10)
+            statuses = await asyncio.gather(*slow)
+        return r, took, statuses
+
+    with web({"/slow.png": (200, {}, SMALL[:200], 0.05)}) as base:
+        r, took, statuses = asyncio.run(run(base))
     assert r.status_code == 200 and took < 1.5, took
+    assert statuses == [400] * 45  # each cut at its deadline
+
+
+async def ask_async(c, *parts) -> int:
+    return (await c.post(CHAT, json={"messages": [{"role": "user", "content": list(parts)}]})).status_code
+
+
+def test_a_bad_allow_fetch_from_is_refused_before_loading(monkeypatch, tmp_path, capsys):
+    import gemma_ane.runtime
+    from gemma_ane import server
+
+    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
+    assert server.main([str(tmp_path), "--allow-remote-images", "--allow-fetch-from", "not a host"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gemma-ane serve: error: allow_fetch_from: 'not a host': expected an address")
