@@ -444,7 +444,7 @@ def _stop(body: dict) -> list[str] | None:
     try:
         return [s for s in check_stop(body.get("stop")) if s] or None
     except StopError as e:
-        raise APIError(400, str(e), param="stop") from None
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
