@@ -624,6 +624,44 @@ class Delta:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+MAX_STOPS = 4  # stop strings in one request, as OpenAI allows
+MAX_STOP_CHARS = 1000  # characters in one stop string: far above any real one, and each token's check stays cheap
+
+
+class StopError(ChatError):
+    """Stop strings that are refused: too many, too long, or not strings."""
+
+    param = "stop"
+
+
+def check_stop(stop) -> list[str]:
+    """`stop` (None, a string or a list of strings) as a list, within MAX_STOPS strings of MAX_STOP_CHARS
+    characters each; the one check the runtime and the server apply."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise StopError("stop: expected a string or an array of strings")
+    if len(stops) > MAX_STOPS:
+        raise StopError(f"stop: {len(stops)} strings, more than the {MAX_STOPS} allowed")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise StopError(f"{where}: {len(s)} characters, more than the limit of {MAX_STOP_CHARS}")
+    return list(stops)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's table: [k] is the length of the longest proper prefix of s[: k + 1] that is also its suffix."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table
+
+
 class OutputParser:
     """Splits generated tokens into answer, reasoning (`<|channel>thought\\n ... <channel|>`) and tool calls
     (`<|tool_call>call:NAME{...}<tool_call|>`), and applies stop strings to the answer, holding back any tail
@@ -635,7 +673,11 @@ class OutputParser:
         self.content = Detokenizer(tokenizer)
         self.reasoning = Detokenizer(tokenizer)
         self.in_thought, self._skip_label, self._label = False, False, ""
-        self.stop = [s for s in (stop or []) if s]
+        self.stop = list(dict.fromkeys(s for s in check_stop(stop) if s))
+        # per stop string, its KMP table and how much of it the answer so far ends with: each character
+        # is matched once, so holding back costs the length of the new text, not of the stop strings
+        self._tables = [_prefix_function(s) for s in self.stop]
+        self._matched = [0] * len(self.stop)
         self.names = None if tools is None else {t["function"]["name"] for t in tools}
         self.call: list[int] | None = None  # the tokens of the call under way, between its markers
         self.pending = ""  # answer text not yet released (could be a stop string's prefix)
@@ -691,17 +733,33 @@ class OutputParser:
 
     def _release(self, piece: str) -> str:
         self.pending += piece
-        for s in self.stop:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending, self.stopped = self.pending[:i], "", True
-                self.text += out
-                return out
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        if self._advance(piece):
+            for s in self.stop:
+                i = self.pending.find(s)
+                if i >= 0:
+                    out, self.pending, self.stopped = self.pending[:i], "", True
+                    self.text += out
+                    return out
+        # the longest tail of the answer that some stop string starts with
+        hold = max(self._matched, default=0)
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(out) :]
         self.text += out
         return out
+
+    def _advance(self, piece: str) -> bool:
+        """Feed `piece` to each stop string's matcher; whether one of them occurs whole."""
+        found = False
+        for n, (s, table) in enumerate(zip(self.stop, self._tables)):
+            k = self._matched[n]
+            for c in piece:
+                while k and c != s[k]:
+                    k = table[k - 1]
+                k += c == s[k]
+                if k == len(s):  # found: the answer stops here, whatever follows
+                    found, k = True, table[k - 1]
+            self._matched[n] = k
+        return found
 
     def finish(self) -> Delta:
         if self.stopped:

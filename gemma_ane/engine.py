@@ -22,6 +22,10 @@ class ContextOverflow(ValueError):
     pass
 
 
+class Cancelled(Exception):
+    """The caller gave up (a client that disconnected) while its prompt was being processed."""
+
+
 class FunctionUnavailable(RuntimeError):
     """A chunk function this device cannot load or compile on the requested compute units (e.g. the
     Neural Engine compiler refusing a T>1 stateful function). Raised by a backend's `load`; the
@@ -422,15 +426,18 @@ class Engine:
         reach = self.window + (self.verify_batch is not None)  # the drafter reads W + 1 rows
         return top < self.ring or top < kept + self.ring - reach + 1
 
-    def prompt(self, ids, marks=()) -> tuple[int, np.ndarray]:
+    def prompt(self, ids, marks=(), cancelled=None) -> tuple[int, np.ndarray]:
         """Process a prompt: reuse what the caches hold, feed the rest, and snapshot the rings at
         its end and at each mark (a position inside it where a later prompt may diverge, e.g. the
-        end of a system turn). Returns (tokens reused, the last token's logits)."""
+        end of a system turn). Returns (tokens reused, the last token's logits). `cancelled`: asked
+        before each batch; once true, Cancelled is raised with the caches holding the batches run."""
         ids = [int(t) for t in ids]
         kept = self.reuse(ids)
         stops = sorted({m for m in marks if kept < m < len(ids)} | {len(ids)})
         for stop in stops:
-            logits = self.feed(ids[self.position : stop], logits="last" if stop == len(ids) else "none")
+            logits = self.feed(
+                ids[self.position : stop], logits="last" if stop == len(ids) else "none", cancelled=cancelled
+            )
             self._snapshot()
         return kept, logits[-1]
 
@@ -492,7 +499,7 @@ class Engine:
         self.snapshots = [s for s in self.snapshots if s.position <= position]
 
     # -- running ------------------------------------------------------------------------------------
-    def feed(self, ids, *, logits: str = "last") -> list[np.ndarray]:
+    def feed(self, ids, *, logits: str = "last", cancelled=None) -> list[np.ndarray]:
         """Process `ids` from the current position, as planned by plan().
 
         logits="last": only the last token's logits (what generation needs; chunk_3 runs once);
@@ -504,14 +511,18 @@ class Engine:
         if self.position + len(ids) > self.context:
             raise ContextOverflow(f"{self.position + len(ids)} tokens exceed the context of {self.context}")
         try:
-            return self._feed(ids, logits)
+            return self._feed(ids, logits, cancelled)
+        except Cancelled:  # raised between batches: the caches hold exactly the tokens fed
+            raise
         except BaseException:
             self.reset()
             raise
 
-    def _feed(self, ids: np.ndarray, logits: str) -> list[np.ndarray]:
+    def _feed(self, ids: np.ndarray, logits: str, cancelled=None) -> list[np.ndarray]:
         results, i, n = [], 0, len(ids)
         for function, T in self._ready_plan(n, logits):
+            if cancelled is not None and cancelled():
+                raise Cancelled(f"cancelled after {self.position} of the prompt's tokens")
             p = self.position
             if function.startswith("prefill_kv"):
                 self._run_kv(ids[i : i + T])

@@ -23,6 +23,7 @@ from .chat import (
     ChatTemplate,
     OutputParser,
     check_nesting,
+    check_stop,
     check_text,
     escape_content,
     escape_strings,
@@ -30,7 +31,7 @@ from .chat import (
 )
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
-from .engine import MAX_SNAPSHOTS, ContextOverflow, Engine, FunctionUnavailable
+from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
 from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
@@ -93,6 +94,11 @@ class Event(Stats):
     top_logprobs: list = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls this token completed
     finish_reason: str | None = None
+
+
+def _check(cancelled) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled("cancelled before the prompt was processed")
 
 
 class Model:
@@ -243,6 +249,7 @@ class Model:
         parallel_tool_calls: bool = True,
         response_format: dict | None = None,
         draft_tokens: int | None = None,
+        cancelled=None,
         **sampling,
     ) -> Iterator[Event]:
         """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
@@ -254,7 +261,9 @@ class Model:
         {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding.
         draft_tokens: speculative decoding with the bundle's drafter, K drafts per verify call (default:
         `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for token; sampled output
-        follows the same distribution. Constrained generations decode one token at a time."""
+        follows the same distribution. Constrained generations decode one token at a time. cancelled: a callable
+        asked during the prompt's processing (between its steps and prefill batches); once it returns true,
+        Cancelled is raised, so a caller that has gone stops costing host time before the first token."""
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
@@ -263,8 +272,7 @@ class Model:
                 "this bundle's chunk_3 returns only the argmax token (published layout): "
                 "sampling and logit_bias are not possible; use temperature=0"
             )
-        if isinstance(stop, str):
-            stop = [stop]
+        stop = check_stop(stop)
         tools = check_tools(tools) if tools is not None else None
         choice = check_tool_choice(tool_choice, tools)
         if choice == "none":
@@ -280,11 +288,13 @@ class Model:
         sources = media_sources(conversation)
         t0 = time.perf_counter()  # the images' encoding counts as prompt time
         marks = self.turn_ends(conversation, ids, enable_thinking, tools) if conversation else []
+        _check(cancelled)
         ids, marks, self.engine.soft_tokens = expand_media(ids, marks, self.encoders, sources, self.context)
+        _check(cancelled)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, stop, tools=tools)
-        reused, logits = self.engine.prompt(ids, marks)
+        reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
         sampler, spec = Sampler(params, history=[t for t in ids if t >= 0]), _Speculation()
         steps = (

@@ -7,7 +7,7 @@ tokenised before they queue, so a bad one fails at once instead of after waiting
 
 Images come as OpenAI's image_url parts holding data: URLs; the server decodes the base64 once and checks each
 file's size and its header's pixel count (Pillow, the `vision` extra) before the request queues. It never
-fetches a remote URL for a client.
+fetches a remote URL for a client unless started with --allow-remote-images (then see gemma_ane.fetch).
 
 Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
 register `serve` and the runtime stays usable without them.
@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import http.client
 import io
 import json
 import logging
@@ -31,14 +30,12 @@ import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
-from . import grammar
-from .chat import ChatError
-from .engine import ContextOverflow
+from . import fetch, grammar
+from .chat import ChatError, StopError, check_stop
+from .engine import Cancelled, ContextOverflow
 from .images import ImageError, _pil, data_url_bytes
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
@@ -48,7 +45,6 @@ log = logging.getLogger("gemma_ane.server")
 
 API_KEY_ENV = "GEMMA_ANE_API_KEY"
 TEXT_BODY = 1_000_000  # bytes: a request body without images
-FETCH_SECONDS = 10  # a remote image's fetch: the longest wait for the network (serve --allow-remote-images)
 _END = object()  # the worker's last item for a job: nothing more will come
 
 
@@ -77,7 +73,8 @@ class APIError(Exception):
 
 
 class Job:
-    """One generation: its arguments, a cancel flag the worker checks between tokens, and the
+    """One generation: its arguments, a cancel flag the worker checks between tokens (the runtime, between
+    the prompt's steps and prefill batches), and the
     asyncio queue its events come back on."""
 
     def __init__(self, rid: str, kwargs: dict, loop: asyncio.AbstractEventLoop):
@@ -156,7 +153,8 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         tokens = 0
-        events = self.model.stream_generate(**job.kwargs)
+        # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
+        events = self.model.stream_generate(**job.kwargs, cancelled=job.cancelled.is_set)
         try:
             for ev in events:
                 job.put(ev)
@@ -165,6 +163,8 @@ class Worker:
                     # closing the generator at a yield leaves the caches and `cached` in step
                     log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
                     return
+        except Cancelled as e:
+            log.info("%s: client gone, %s", job.id, e)
         except ValueError as e:  # the request's fault (sampling, template, context): reported as 400
             log.info("%s: refused: %s", job.id, e)
             job.put(e)
@@ -249,13 +249,16 @@ class ImageLimits:
     max_image_pixels: int = 40_000_000  # width * height, from the file's header
     max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
     # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
-    # client, which could otherwise make it reach any address it can (its own network included)
+    # client. On, only public addresses are fetched (see gemma_ane.fetch)...
     remote_images: bool = False
+    # ...and these hosts and networks (serve --allow-fetch-from): addresses, CIDR networks or host names
+    allow_fetch_from: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+        fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
 
     def max_body(self, model) -> int:
         """The default body limit: text, plus max_images files as base64 when the model takes images."""
@@ -264,7 +267,7 @@ class ImageLimits:
         return TEXT_BODY + self.max_images * 4 * -(-self.max_image_bytes // 3)
 
 
-def _messages(body: dict, model, limits: ImageLimits) -> list[dict]:
+def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -290,7 +293,7 @@ def _messages(body: dict, model, limits: ImageLimits) -> list[dict]:
         if m.get("tool_calls") is not None:
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
-    _images(out, model, limits)
+    _images(out, model, limits, fetched)
     return out
 
 
@@ -315,7 +318,7 @@ def _part(part, where: str) -> dict:
     raise APIError(400, f"{where}: part type {kind!r} is not supported (text and image_url)", param=where)
 
 
-def _images(messages: list[dict], model, limits: ImageLimits) -> None:
+def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> None:
     """Replaces each image_url part by {"type": "image", "image": the file's bytes}, as the runtime takes it, once
     the request is within every limit: the model takes images, their count, then each file's size and pixels."""
     found = [
@@ -333,17 +336,62 @@ def _images(messages: list[dict], model, limits: ImageLimits) -> None:
     if len(found) > limits.max_images:
         message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
         raise APIError(400, message, param="messages")
+    for i, m in enumerate(messages):
+        parts = m["content"] if isinstance(m["content"], list) else []
+        image = next((j for j, p in enumerate(parts) if p["type"] == "image_url"), None)
+        why = _no_images_here(messages, i) if image is not None else None
+        if why:
+            where = f"messages[{i}].content[{image}]"
+            raise APIError(400, f"{where}: {why}; send images in user messages", param=where)
     for content, j, where in found:
-        content[j] = {"type": "image", "image": _image_file(content[j]["image_url"], f"{where}.image_url", limits)}
+        url = content[j]["image_url"]
+        content[j] = {"type": "image", "image": _image_file(url, f"{where}.image_url", limits, fetched)}
 
 
-def _image_file(url, where: str, limits: ImageLimits) -> bytes:
-    """The file a data: URL holds, or with remote_images the one an http(s) URL serves, within the limits; a
-    remote URL is otherwise refused (never fetched)."""
+def _no_images_here(messages: list[dict], i: int) -> str | None:
+    """Why the chat template would drop the images of messages[i] (their placeholders never rendered), or None."""
+    role = messages[i]["role"]
+    if role == "system" and i == 0:
+        return "a leading system message cannot hold images (the template renders only its text)"
+    if role == "tool":
+        k = i
+        while k > 0 and messages[k - 1]["role"] == "tool":
+            k -= 1
+        if k == 0 or not messages[k - 1].get("tool_calls"):
+            return "a tool message that answers no assistant tool_calls cannot hold images (the template drops it)"
+    if role not in ("user", "assistant", "system", "tool"):
+        return f"a {role!r} message cannot hold images"
+    return None
+
+
+def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
+    """The http(s) image URLs of a chat request to fetch before it is checked: none unless remote images are on,
+    the model takes images and the request holds no more than max_images (it is refused otherwise)."""
+    messages = body.get("messages")
+    if not limits.remote_images or getattr(model, "images", None) is None or not isinstance(messages, list):
+        return []
+    urls, images = [], 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images += 1
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if isinstance(url, str) and url.startswith(("http://", "https://")):
+                    urls.append(url)
+    return urls if images <= limits.max_images else []
+
+
+def _image_file(url, where: str, limits: ImageLimits, fetched: dict) -> bytes:
+    """The file a data: URL holds, or with remote_images the one an http(s) URL served (`fetched`: by URL, None
+    for a failed fetch), within the limits; a remote URL is otherwise refused (never fetched)."""
     url = url["url"] if isinstance(url, dict) else url
     try:
         if limits.remote_images and url.startswith(("http://", "https://")):
-            data = _fetch(url, where, limits.max_image_bytes)
+            data = fetched.get(url)
+            if data is None:
+                raise ImageError(f"{where}: {fetch.failure(url)}")
         else:
             data = data_url_bytes(url, where)
         if len(data) > limits.max_image_bytes:
@@ -356,32 +404,6 @@ def _image_file(url, where: str, limits: ImageLimits) -> bytes:
         message = f"{where}: {width}x{height} pixels, more than the limit of {limits.max_image_pixels}"
         raise APIError(413, message, param=where, code="image_too_large")
     return data
-
-
-class _HTTPOnly(urllib.request.HTTPRedirectHandler):
-    """Redirects stay on http(s): a remote server cannot send the fetch to ftp: or elsewhere."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if not newurl.startswith(("http://", "https://")):
-            raise urllib.error.URLError(f"redirected to {newurl[:60]!r}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _fetch(url: str, where: str, max_bytes: int) -> bytes:
-    """An image URL's file: at most max_bytes + 1 bytes read (one more says it is too large), in FETCH_SECONDS per
-    network wait. Any failure is one ImageError naming the URL."""
-    opener = urllib.request.build_opener(_HTTPOnly)
-    request = urllib.request.Request(url, headers={"User-Agent": "gemma-ane"})
-    try:
-        with opener.open(request, timeout=FETCH_SECONDS) as r:
-            return r.read(max_bytes + 1)
-    except urllib.error.HTTPError as e:
-        reason = f"HTTP {e.code} {e.reason}"
-    except urllib.error.URLError as e:
-        reason = str(e.reason)
-    except (OSError, ValueError, http.client.HTTPException) as e:  # timeouts, resets, a malformed URL or reply
-        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    raise ImageError(f"{where}: fetching {url[:80]!r} failed ({' '.join(reason.split())})")
 
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
@@ -419,12 +441,10 @@ def _tool_calls(calls, where: str) -> list:
 
 
 def _stop(body: dict) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
-        return [stop] if stop else None
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "stop: expected a string or an array of strings", param="stop")
-    return stop
+    try:
+        return [s for s in check_stop(body.get("stop")) if s] or None
+    except StopError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
@@ -481,9 +501,12 @@ class Request:
         self.prompt_tokens = 0
 
 
-def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits()) -> Request:
+def parse_request(
+    body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits(), fetched: dict | None = None
+) -> Request:
     """Check every field's type and range, and the images against `limits` (nothing about the prompt's
-    length: that needs the tokenizer, see `count_prompt`)."""
+    length: that needs the tokenizer, see `count_prompt`). `fetched`: the files of `remote_urls(body)` by URL (None
+    for a failed fetch), as a fetch.Fetcher returns them; a remote URL missing there counts as a failed fetch."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
         raise APIError(
@@ -504,7 +527,7 @@ def parse_request(body: dict, kind: str, model, model_name: str, limits: ImageLi
     sampling["seed"] = _field(body, "seed", int)
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
-        kwargs["messages"] = _messages(body, model, limits)
+        kwargs["messages"] = _messages(body, model, limits, fetched or {})
         template_kwargs = _field(body, "chat_template_kwargs", dict, {})
         kwargs["enable_thinking"] = _field(
             template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
@@ -735,9 +758,15 @@ class Render:
         return out
 
 
+_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
+
+
 def _error_of(exc: BaseException) -> APIError:
     if isinstance(exc, ContextOverflow):
         return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
+        part = _PART.match(str(exc))
+        return APIError(400, str(exc), param=part.group(0) if part else "messages")
     if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
         return APIError(400, str(exc))
     return APIError(500, "the generation failed; see the server log", type="server_error")
@@ -838,7 +867,23 @@ class Generation:
 # -- the app --------------------------------------------------------------------------------------
 
 
-async def _read_json(request, max_body: int) -> dict:
+def _image_url_chars(body: dict) -> int:
+    """The characters of a chat request's image_url URLs: the part of the body the image allowance is for."""
+    messages = body.get("messages")
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                total += len(url) if isinstance(url, str) else 0
+    return total
+
+
+async def _read_json(request, max_body: int, text_body: int) -> dict:
+    """The body as a JSON object, of at most max_body bytes, of which at most text_body outside image_url URLs (a
+    vision bundle's allowance for images is no allowance for text: stop strings, prompts, tools)."""
     from starlette.requests import ClientDisconnect
 
     too_big = APIError(413, f"the request body is larger than {max_body} bytes", code="request_too_large")
@@ -859,6 +904,11 @@ async def _read_json(request, max_body: int) -> dict:
         raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
+    if len(data) > text_body:
+        text = len(data) - _image_url_chars(body)
+        if text > text_body:
+            message = f"the request body holds {text} bytes besides its images, more than {text_body}"
+            raise APIError(413, message, code="request_too_large")
     return body
 
 
@@ -873,12 +923,14 @@ def build_app(
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
+    allow_fetch_from=(),
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
     `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
-    `max_images` base64 images of `max_image_bytes` when the model takes images; `remote_images`: fetch http(s)
-    image URLs (off: refused)."""
+    `max_images` base64 images of `max_image_bytes` when the model takes images (in their image_url parts only);
+    `remote_images`: fetch http(s) image URLs on public addresses and those `allow_fetch_from` names (off:
+    refused)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -887,9 +939,12 @@ def build_app(
 
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
+    # the image allowance counts only inside image_url parts; a max_body given is the limit of both
+    text_body = TEXT_BODY if max_body is None else max_body
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
+    fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
     vocab = Vocab(model.tokenizer)
     started = int(time.time())
 
@@ -925,9 +980,11 @@ def build_app(
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
-            body = await _read_json(request, max_body)
-            # off the event loop: with remote images, checking a request fetches them
-            req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits)
+            body = await _read_json(request, max_body, text_body)
+            # remote images are fetched on a pool of their own, awaited here: a slow one holds no shared thread
+            urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
+            fetched = await fetcher(urls) if urls else {}
+            req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
             req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
@@ -963,6 +1020,8 @@ def build_app(
     async def lifespan(app):
         yield
         await run_in_threadpool(worker.stop)
+        if fetcher is not None:
+            fetcher.close()
 
     app = Starlette(
         routes=[
@@ -993,6 +1052,7 @@ def serve(
     max_image_pixels: int = ImageLimits.max_image_pixels,
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
+    allow_fetch_from=(),
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -1005,12 +1065,13 @@ def serve(
         raise ValueError(f"port={port}: expected 0..65535")
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
-    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images)  # checked before loading
+    # checked before loading
+    limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     if remote_images:
-        log.warning("--allow-remote-images: requests may make this server fetch any http(s) URL it can reach")
+        log.warning("--allow-remote-images: requests may make this server fetch http(s) URLs on public addresses")
     model = load(bundle, backend=backend)
     model.allow_special_tokens = allow_special_tokens
     model.use_drafts(draft_tokens)
@@ -1045,6 +1106,7 @@ def _cmd_serve(a) -> int:
         max_image_pixels=a.max_image_pixels,
         max_images=a.max_images,
         remote_images=a.allow_remote_images,
+        allow_fetch_from=a.allow_fetch_from,
     )
     return 0
 
@@ -1099,8 +1161,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-remote-images",
         action="store_true",
-        help="fetch http(s) image URLs a request names (default: only data: URLs; the server fetches nothing, "
-        "as it could reach any address it can, your own network included)",
+        help="fetch http(s) image URLs a request names, on public addresses only (default: only data: URLs; the "
+        f"server fetches nothing); {fetch.FETCH_SECONDS:g} s a fetch",
+    )
+    p.add_argument(
+        "--allow-fetch-from",
+        action="append",
+        default=[],
+        metavar="CIDR_OR_HOST",
+        help="with --allow-remote-images, also fetch from this address, network or host though it is not public "
+        "(loopback, private, link-local); repeatable",
     )
     p.set_defaults(fn=_cmd_serve)
 

@@ -50,7 +50,7 @@ class ScriptedEngine:
     def __init__(self, vocab_size: int):
         self.logits = np.zeros(vocab_size, np.float32)
 
-    def prompt(self, ids, marks=()):
+    def prompt(self, ids, marks=(), cancelled=None):
         self.position = len(ids)
         return 0, self.logits
 

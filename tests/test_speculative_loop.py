@@ -40,7 +40,7 @@ class MarkovEngine:
     def position(self):
         return len(self.tokens)
 
-    def prompt(self, ids, marks=()):
+    def prompt(self, ids, marks=(), cancelled=None):
         self.tokens = list(ids)
         return 0, row(TARGET, ids[-1])
 
