@@ -133,7 +133,7 @@ def data_url_bytes(url, what: str = "audio_url") -> bytes:
         raise AudioError(f"{what}: expected a data: URL (data:audio/wav;base64,...), got {url[:40]!r}")
     if not head.endswith(";base64"):
         raise AudioError(f"{what}: the data: URL must be base64-encoded ({head[:40]!r} says otherwise)")
-    return _b64(data, what, "the data: URL")
+    return _b64(data, what, "the data: URL is ")
 
 
 def input_audio_bytes(part, what: str = "input_audio") -> bytes:
@@ -146,14 +146,14 @@ def input_audio_bytes(part, what: str = "input_audio") -> bytes:
         raise AudioError(f"{what}.data: expected a base64 string, not {type(data).__name__}")
     if fmt not in INPUT_AUDIO_FORMATS:
         raise AudioError(f"{what}.format: {fmt!r} is not one of {', '.join(INPUT_AUDIO_FORMATS)}")
-    return _b64(data, f"{what}.data", "it")
+    return _b64(data, f"{what}.data", "")
 
 
-def _b64(data: str, what: str, it: str) -> bytes:
+def _b64(data: str, what: str, subject: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except binascii.Error as e:
-        raise AudioError(f"{what}: {it} is not valid base64 ({_one_line(e)})") from None
+        raise AudioError(f"{what}: {subject}not valid base64 ({_one_line(e)})") from None
 
 
 # -- features ---------------------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def test_data_url_and_input_audio():
         (lambda: audio.input_audio_bytes({"format": "wav"}), r"^input_audio.data: expected a base64 string, not None"),
         (
             lambda: audio.input_audio_bytes({"data": "%%", "format": "mp3"}),
-            r"^input_audio.data: it is not valid base64",
+            r"^input_audio.data: not valid base64 \(",
         ),
         (lambda: audio.input_audio_bytes("abc"), r"^input_audio: expected an object with data and format, not str$"),
     ]
