@@ -185,8 +185,8 @@ class SubSampleConvProjection(nn.Module):
         width; each layer's output frame t is valid when its input frame 2t is (transformers' mask[:, ::2])."""
         h = self.layer0(features[:, None], mask[:, None, :, None])
         h = self.layer1(h, mask[:, None, ::2, None])
-        _, c, t, w = h.shape
-        return self.input_proj_linear(h.permute(0, 2, 3, 1).reshape(1, t, w * c))  # (width, channel) order
+        # (width, channel) order. No shape is read from a tensor anywhere (a traced size is a dynamic op)
+        return self.input_proj_linear(h.permute(0, 2, 3, 1).reshape(1, -1, self.input_proj_linear.in_features))
 
 
 class FeedForward(nn.Module):
@@ -257,35 +257,34 @@ class AudioAttention(nn.Module):
     def forward(self, x, mask):
         """x (1, T, H) with T a multiple of chunk; mask (1, blocks, chunk, context) additive."""
         s = self.spec
-        T, nh, D, C = x.shape[1], s.num_heads, s.head_dim, s.chunk
-        nb = T // C
+        nh, D, C = s.num_heads, s.head_dim, s.chunk
 
         def blocks(proj):  # (heads, blocks, chunk, D)
-            return proj(x).view(nb, C, nh, D).permute(2, 0, 1, 3)
+            return proj(x).view(-1, C, nh, D).permute(2, 0, 1, 3)
 
         q = blocks(self.q_proj) * self.q_scale
         k, v = blocks(self.k_proj) * self.k_scale, blocks(self.v_proj)
 
         def context(t):  # (heads, blocks, context, D): the past blocks' rows, then the block's own
-            past = [F.pad(t, (0, 0, 0, 0, n, 0))[:, :nb] for n in range(s.past // C, 0, -1)]
+            past = [F.pad(t, (0, 0, 0, 0, n, 0))[:, :-n] for n in range(s.past // C, 0, -1)]
             return torch.cat([*past, t], dim=2)
 
         content = torch.matmul(q, context(k).transpose(2, 3))  # (heads, blocks, chunk, context)
         position = torch.matmul(q.permute(0, 2, 1, 3), self.relative_keys).permute(0, 2, 1, 3)  # batched over rows
         logits = torch.tanh((content + position) / s.logit_cap) * s.logit_cap + mask
         attn = torch.matmul(torch.softmax(logits, dim=-1), context(v))  # (heads, blocks, chunk, D)
-        return self.post(attn.permute(1, 2, 0, 3).reshape(1, T, nh * D))
+        return self.post(attn.permute(1, 2, 0, 3).reshape(1, -1, nh * D))
 
 
 class CausalDepthwiseConv(nn.Module):
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))  # depthwise_conv1d.weight
-        self.pad = kernel - 1
+        self.pad, self.channels = kernel - 1, channels
 
     def forward(self, x):
         """x (1, C, T): each output frame from its own and the kernel - 1 earlier frames (zeros before t = 0)."""
-        return F.conv1d(F.pad(x, (self.pad, 0)), self.weight, groups=x.shape[1])
+        return F.conv1d(F.pad(x, (self.pad, 0)), self.weight, groups=self.channels)
 
 
 class LightConv(nn.Module):
@@ -397,3 +396,32 @@ def load_audio_tower(tensors: Mapping[str, np.ndarray], spec: AudioSpec, frames:
                 m.freeze()
         model.mask.copy_(block_mask(spec, frames // 4))
     return model.eval()
+
+
+# -- conversion -------------------------------------------------------------------------------------------------
+
+
+def convert_audio_tower(model: AudioModel, out, precision: str = "fp16"):
+    """OUT (an .mlpackage): `model` traced and converted by coremltools to an ML Program with one function,
+    inputs input_features (1, F, 128) and input_features_mask (1, F), output audio_embeds (1, F/4, text hidden),
+    computed at `precision` (fp16: Core ML's, the ANE's; fp32 for reference). Returns the path."""
+    import coremltools as ct
+
+    F_, io = model.frames, np.float16 if precision == "fp16" else np.float32
+    example = (torch.zeros(1, F_, MEL_BINS), torch.ones(1, F_))
+    with torch.no_grad():
+        traced = torch.jit.trace(model, example)
+    mlmodel = ct.convert(
+        traced,
+        inputs=[
+            ct.TensorType(name="input_features", shape=(1, F_, MEL_BINS), dtype=io),
+            ct.TensorType(name="input_features_mask", shape=(1, F_), dtype=io),
+        ],
+        outputs=[ct.TensorType(name="audio_embeds", dtype=io)],
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
+        skip_model_load=True,
+    )
+    mlmodel.save(str(out))
+    return out
