@@ -2,6 +2,9 @@
 placeholders: the static-shape PyTorch module in fp32, on clips of several lengths through one bucket, the rows
 past each clip dropped as transformers drops them."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +172,40 @@ def test_load_refuses_a_missing_or_misshapen_tensor(oracle, spec):
 def test_bucket_frames():
     assert bucket_frames(audio.num_frames(30 * audio.SAMPLE_RATE)) == 3024
     assert [bucket_frames(n) for n in (0, 1, 48, 49)] == [48, 48, 48, 96]
+
+
+def test_e2b_widths():
+    """E2B's audio geometry (config.json's audio_config: hidden 1024, 8 heads of 128, subsampling channels 128 and
+    32, output 1536, text width 1536) with one conformer layer, against transformers: the shapes only the real
+    widths have (a 32 x 32 projection input, 1536-wide soft tokens)."""
+    from transformers import Gemma4AudioConfig, Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
+
+    config = json.loads((Path(__file__).parent / "fixtures" / "e2b_config.json").read_text())
+    a = {k: v for k, v in config["audio_config"].items() if k != "model_type"}
+    a["num_hidden_layers"] = 1
+    torch.manual_seed(0)
+    tower = Gemma4AudioModel(Gemma4AudioConfig(**a)).eval()
+    embed = Gemma4MultimodalEmbedder(Gemma4AudioConfig(**a), Gemma4TextConfig(hidden_size=1536)).eval()
+    with torch.no_grad():
+        for name, t in tower.named_parameters():
+            if name.endswith("norm.weight"):
+                t.uniform_(0.5, 2.0)
+            elif name.endswith("per_dim_scale"):
+                t.normal_()
+            elif t.dim() > 1:
+                t.normal_(0, 1 / np.sqrt(t[0].numel()))
+    state = {"model.audio_tower." + k: v.numpy() for k, v in tower.state_dict().items()}
+    state |= {"model.embed_audio." + k: v.numpy() for k, v in embed.state_dict().items()}
+    spec = AudioSpec.from_config({**config, "audio_config": a})
+    ours = load_audio_tower(state, spec, 96)
+    x = clip(12000)
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    f = Gemma4AudioFeatureExtractor()([x], return_tensors="pt")
+    with torch.no_grad():
+        out = tower(f["input_features"], f["input_features_mask"])
+        want = embed(out.last_hidden_state)[out.attention_mask].numpy()
+    got, tokens = run(ours, x)
+    assert got.shape == (24, 1536) and tokens == len(want) == 19
+    assert np.abs(got[:tokens] - want).max() / np.abs(want).max() < 1e-5
