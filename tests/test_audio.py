@@ -198,3 +198,12 @@ def test_preprocess_pads_to_the_bucket(extractor):
 def test_mel_filters_equal_transformers(extractor):
     assert np.array_equal(audio.mel_filters(), extractor.mel_filters)
     assert np.array_equal(audio._window(), extractor.window)
+
+
+def test_mp3_input_audio_decodes_and_resamples():
+    """OpenAI clients send mp3 as often as wav: libsndfile (1.1+, in soundfile's wheels) reads it."""
+    x = (0.3 * np.sin(np.arange(24000) / 7)).astype(np.float32)  # 1 s at 24 kHz
+    data = wav(x, 24000, subtype="MPEG_LAYER_III", fmt="MP3")
+    got = audio.load_audio(audio.input_audio_bytes({"data": base64.b64encode(data).decode(), "format": "mp3"}))
+    assert abs(len(got) - SR) <= 1200  # the encoder's priming and padding frames (at most one MP3 frame)
+    assert 0.25 < np.abs(got).max() < 0.4
