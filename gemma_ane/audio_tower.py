@@ -45,8 +45,6 @@ from .audio import MEL_BINS
 from .graph import RMSNorm
 from .vision import BOUNDS, ClippableLinear
 
-FUNCTION = "encode"
-TOKEN_IDS = {"boa_token_id": 256000, "audio_token_id": 258881, "eoa_token_id": 258883}  # transformers' defaults
 MASK_VALUE = -1e4
 FP16_MAX = 65504.0
 
@@ -413,10 +411,7 @@ def convert_audio_tower(model: AudioModel, out, precision: str = "fp16"):
         traced = torch.jit.trace(model, example)
     mlmodel = ct.convert(
         traced,
-        inputs=[
-            ct.TensorType(name="input_features", shape=(1, F_, MEL_BINS), dtype=io),
-            ct.TensorType(name="input_features_mask", shape=(1, F_), dtype=io),
-        ],
+        inputs=[ct.TensorType(name=n, shape=e.shape, dtype=io) for n, e in zip(model.input_names, example)],
         outputs=[ct.TensorType(name="audio_embeds", dtype=io)],
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,

@@ -55,8 +55,9 @@ RUNTIME = {
     "drafter",
     "images",
     "encoder",
+    "audio",
 }
-CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files", "assistant", "vision"}
+CONVERTER_SIDE = {"graph", "convert", "verify", "tiny", "palettize", "tokenizer_files", "assistant", "vision", "audio_tower"}
 
 
 def imports(module: str) -> set[str]:
