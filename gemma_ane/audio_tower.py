@@ -238,10 +238,11 @@ class AudioAttention(nn.Module):
     @torch.no_grad()
     def freeze(self) -> None:
         """What depends on weights alone, in fp32 as transformers computes it: the query scale
-        head_dim^-0.5 / ln 2 * softplus(per_dim_scale), and the relative keys of the `context // 2 + 1` distances,
-        shifted as transformers shifts the position logits. Shifting the keys instead of the logits is exact: the
-        shift moves each (row, distance) logit to one (row, key column), or drops it, and so does it to the keys
-        it is the dot product with; the columns it fills with zeros get zero keys."""
+        head_dim^-0.5 / ln 2 * softplus(per_dim_scale) / logit_cap, and the relative keys of the
+        `context // 2 + 1` distances, shifted as transformers shifts the position logits. Shifting the keys
+        instead of the logits is exact: the shift moves each (row, distance) logit to one (row, key column), or
+        drops it, and so does it to the keys it is the dot product with; the columns it fills with zeros get zero
+        keys."""
         s = self.spec
         nh, D, C, ctx = s.num_heads, s.head_dim, s.chunk, s.context
         w = self.relative_k_proj.weight.float()
@@ -250,7 +251,9 @@ class AudioAttention(nn.Module):
         one_hot = torch.eye(positions).expand(C, positions, positions).permute(1, 0, 2)  # [p, row, p'] = p == p'
         where = rel_shift(one_hot, ctx)  # [p, row, column]: 1 where distance p lands
         self.relative_keys.copy_(torch.einsum("prc,phd->hrdc", where, keys))
-        self.q_scale.copy_(D**-0.5 / math.log(2) * F.softplus(self.per_dim_scale.float()))
+        # 1 / logit_cap folded in too: the softcap's tanh(logits / cap) then reads the matmuls as they are, and
+        # their fp16 sums are 50x further from overflowing
+        self.q_scale.copy_(D**-0.5 / math.log(2) * F.softplus(self.per_dim_scale.float()) / s.logit_cap)
 
     def forward(self, x, mask):
         """x (1, T, H) with T a multiple of chunk; mask (1, blocks, chunk, context) additive."""
@@ -269,7 +272,7 @@ class AudioAttention(nn.Module):
 
         content = torch.matmul(q, context(k).transpose(2, 3))  # (heads, blocks, chunk, context)
         position = torch.matmul(q.permute(0, 2, 1, 3), self.relative_keys).permute(0, 2, 1, 3)  # batched over rows
-        logits = torch.tanh((content + position) / s.logit_cap) * s.logit_cap + mask
+        logits = torch.tanh(content + position) * s.logit_cap + mask  # q carries 1 / logit_cap (freeze)
         attn = torch.matmul(torch.softmax(logits, dim=-1), context(v))  # (heads, blocks, chunk, D)
         return self.post(attn.permute(1, 2, 0, 3).reshape(1, -1, nh * D))
 
