@@ -150,7 +150,7 @@ def clip(n: int) -> np.ndarray:
 @pytest.mark.parametrize("precision,max_err,min_cos", [("fp32", 1e-5, 0.999999), ("fp16", 5e-3, 0.99999)])
 def test_converted_tower_equals_transformers(tower, tmp_path, precision, max_err, min_cos):
     """fp16 on the executor (fp16 between ops, fp32 inside them) measured on the tiny tower: relative error
-    1.1e-3 .. 3.2e-3, row cosine >= 0.999994."""
+    1.2e-3 .. 4.2e-3 over six clip lengths, row cosine >= 0.99999."""
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
     oracle, model = tower
