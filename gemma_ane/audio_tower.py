@@ -9,8 +9,9 @@ load (`freeze`), in fp32.
 Shaped for the ANE as vision.py is: batch 1, static shapes, every projection an nn.Linear, RMSNorm safe in fp16
 (graph.RMSNorm). Choices, each where it is made below:
 - one bucket of F mel frames (F a multiple of 4 x chunk): the clip's frames first, zero frames after, and a mask
-  saying which are the clip's. The subsampling keeps F / 4 rows, whole attention blocks, so nothing is padded
-  or sliced inside the graph; the host keeps the first `audio.soft_tokens(samples)` output rows.
+  saying which are the clip's. The subsampling keeps F / 4 rows, whole attention blocks, so the sequence is
+  never padded to blocks and cut back (transformers' pad and [:seq_length]); the host keeps the first
+  `audio.soft_tokens(samples)` output rows.
 - chunked attention without unfold or gather: with no right context and a left context of whole blocks (E2B:
   12-frame blocks, 12 frames back), a block's keys are the previous block(s) and itself, a concatenation of
   shifted copies of the blocked keys.
@@ -146,7 +147,7 @@ def _clamp(x, limit):
 class ChannelNorm(nn.Module):
     """transformers' LayerNorm over the channels (no bias) of a (1, C, T, W) convolution output, on axis 1 where
     the convolution leaves them, so no permute: the statistics are (1, 1, T, W), whose last axis is not a
-    singleton (audit.py's last-axis rule)."""
+    singleton (audit.py's last-axis rule). coremltools fuses it into one MIL layer_norm over axis 1."""
 
     def __init__(self, channels: int, eps: float):
         super().__init__()
