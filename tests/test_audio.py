@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import soundfile as sf  # the audio extra, in `all`: a missing install fails here rather than skipping
+import soxr
 
 from gemma_ane import audio
 from gemma_ane.audio import AudioError
 
-sf = pytest.importorskip("soundfile")
-soxr = pytest.importorskip("soxr")
 SR = audio.SAMPLE_RATE
 
 
