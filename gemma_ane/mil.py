@@ -161,6 +161,73 @@ def _split(x, num_splits=None, split_sizes=None, axis=0):
     return tuple(np.split(x, int(num_splits), axis=axis))
 
 
+def _pad(x, pad, mode="constant", constant_val=0.0):
+    """MIL pad: `pad` holds (before, after) for each of the last len(pad) / 2 axes."""
+    pad = np.asarray(pad, dtype=np.int64).reshape(-1, 2)
+    widths = [(0, 0)] * (x.ndim - len(pad)) + [tuple(p) for p in pad]
+    if mode == "constant":
+        return np.pad(x, widths, mode="constant", constant_values=np.asarray(constant_val, x.dtype))
+    modes = {"reflect": "reflect", "replicate": "edge"}
+    if mode not in modes:
+        raise ExecutionError(f"pad: mode {mode!r} is not supported")
+    return np.pad(x, widths, mode=modes[mode])
+
+
+def _conv(x, weight, bias=None, strides=None, pad_type="valid", pad=None, dilations=None, groups=1):
+    """MIL conv over 1 or 2 spatial axes, (N, C_in, *spatial) x (C_out, C_in / groups, *kernel), in fp32: each
+    output a dot product of a strided, dilated window with its group's kernels (an einsum over windows)."""
+    x, w = _f32(x), _f32(weight)
+    n_sp, groups = x.ndim - 2, int(groups)
+    if n_sp not in (1, 2):
+        raise ExecutionError(f"conv: {n_sp} spatial axes are not supported")
+    strides = [1] * n_sp if strides is None else [int(v) for v in strides]
+    dilations = [1] * n_sp if dilations is None else [int(v) for v in dilations]
+    kernel = w.shape[2:]
+    span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    if pad_type == "custom":
+        widths = [tuple(int(v) for v in p) for p in np.asarray(pad).reshape(n_sp, 2)]
+    elif pad_type == "valid":
+        widths = [(0, 0)] * n_sp
+    elif pad_type in ("same", "same_lower"):
+        widths = []
+        for size, st, sp in zip(x.shape[2:], strides, span):
+            total = max((-(-size // st) - 1) * st + sp - size, 0)
+            small, big = total // 2, total - total // 2
+            widths.append((small, big) if pad_type == "same" else (big, small))
+    else:
+        raise ExecutionError(f"conv: pad_type {pad_type!r} is not supported")
+    x = np.pad(x, [(0, 0), (0, 0), *widths])
+    axes = tuple(range(2, 2 + n_sp))
+    win = np.lib.stride_tricks.sliding_window_view(x, span, axis=axes)  # (N, C, *positions, *span)
+    win = win[
+        (
+            slice(None),
+            slice(None),
+            *(slice(None, None, st) for st in strides),
+            *(slice(None, None, d) for d in dilations),
+        )
+    ]
+    N, C = x.shape[:2]
+    out_sp = win.shape[2 : 2 + n_sp]
+    win = win.reshape(N, groups, C // groups, *out_sp, *kernel)
+    w = w.reshape(groups, w.shape[0] // groups, C // groups, *kernel)
+    sp, ks = "hw"[:n_sp], "ij"[:n_sp]
+    y = np.einsum(f"ngc{sp}{ks},goc{ks}->ngo{sp}", win, w, optimize=True).reshape(N, -1, *out_sp)
+    return y if bias is None else y + _f32(bias).reshape(-1, *([1] * n_sp))
+
+
+def _layer_norm(x, axes, gamma=None, beta=None, epsilon=1e-5):
+    """MIL layer_norm over `axes`, in fp32; gamma and beta have the shape of those axes."""
+    x = _f32(x)
+    axes = tuple(sorted(_norm_axes(axes, x.ndim)))
+    d = x - x.mean(axis=axes, keepdims=True)
+    y = d / np.sqrt((d * d).mean(axis=axes, keepdims=True) + np.float32(epsilon))
+    shape = [x.shape[i] if i in axes else 1 for i in range(x.ndim)]
+    if gamma is not None:
+        y = y * _f32(gamma).reshape(shape)
+    return y if beta is None else y + _f32(beta).reshape(shape)
+
+
 _CAST = {
     "fp16": np.float16,
     "fp32": np.float32,
@@ -274,6 +341,9 @@ OPS = {
     "band_part": lambda x, lower=-1, upper=-1: _band_part(x, int(lower), int(upper)),
     "constexpr_lut_to_dense": _lut_to_dense,
     "constexpr_blockwise_shift_scale": _blockwise_shift_scale,
+    "pad": _pad,
+    "conv": _conv,
+    "layer_norm": _layer_norm,
 }
 
 

@@ -112,6 +112,9 @@ PRESETS = {
         layer_types=[S, S, S, S, F] * 7,
     ),
 }
+# e2b-mini with an audio tower that runs (AUDIO): the other presets keep the small one they have always had, whose
+# subsampling width (8 channels) cannot take 128 mel bins, so that their checkpoints stay byte-identical.
+PRESETS["e2b-audio-mini"] = PRESETS["e2b-mini"]
 
 # Rescaled draws for presets that need conditioning (the same random stream, so the others keep their
 # weights). 35 random layers are chaotic: each adds three post-normed terms at full size, so fp16
@@ -290,8 +293,61 @@ def _randomize_vision(model, seed: int = 0) -> None:
             t.data.copy_(value)
 
 
+# The audio tower: E2B's structure (12-frame attention blocks reaching 12 frames back, no right context, clipped
+# linears, softcap 50, kernel-5 light convolution, 128 subsampling channels: transformers' projection width needs
+# 128 there) at a small width, with a projection into the text model wider than the tower as E2B's (1536 > 1024).
+AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    subsampling_conv_channels=[128, 8],
+    conv_kernel_size=5,
+    output_proj_dims=48,
+    attention_chunk_size=12,
+    attention_context_left=13,
+    attention_context_right=0,
+    use_clipped_linears=True,
+)
+AUDIO_PRESETS = ("e2b-audio-mini",)
+
+
+def _randomize_audio(model, seed: int = 0) -> None:
+    """Well-conditioned random weights for the audio tower and its embedder (_randomize's rules): projections and
+    convolutions to unit scale, norm weights far from 1, a per-dimension query scale around softplus(0), an
+    output bias, and clip bounds that bite (activations are ~unit scale), except the last layer's: -inf as
+    transformers initialises them, and 1e30 (beyond fp16: the converter must leave both out)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 2)
+
+    def uniform(shape, lo, hi):
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    last = f"layers.{AUDIO['num_hidden_layers'] - 1}."
+    for module in (model.model.audio_tower, model.model.embed_audio):
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if name.endswith(("inv_timescales", "softcap")) or (last in name and "output_min" in name):
+                continue  # derived constants, and the bound left at -inf
+            if name.endswith("norm.weight"):
+                value = uniform(t.shape, 0.5, 2.0)
+            elif name.endswith("per_dim_scale"):
+                value = torch.randn(t.shape, generator=g)
+            elif name.endswith("_min"):
+                value = -uniform((), 1.0, 3.0)
+            elif last in name and name.endswith("output_max"):
+                value = torch.tensor(1e30)
+            elif name.endswith("_max"):
+                value = uniform((), 1.0, 3.0)
+            elif name.endswith("bias"):
+                value = torch.randn(t.shape, generator=g) * 0.5
+            else:  # projections and convolutions: fan-in over every axis but the first
+                value = torch.randn(t.shape, generator=g) / math.sqrt(t[0].numel())
+            t.data.copy_(value)
+
+
 def build_model(preset: str, seed: int = 0):
-    """A Gemma4ForConditionalGeneration with random weights, a small vision tower and a tiny audio one."""
+    """A Gemma4ForConditionalGeneration with random weights, a small vision tower and an audio one: AUDIO for
+    AUDIO_PRESETS, a tiny one (random initial weights, too narrow to run) for the others."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
@@ -304,6 +360,8 @@ def build_model(preset: str, seed: int = 0):
         output_proj_dims=16,
         conv_kernel_size=3,
     )
+    if preset in AUDIO_PRESETS:
+        audio = AUDIO
     config = Gemma4Config(
         text_config=text_config(preset),
         vision_config=VISION,
@@ -316,6 +374,8 @@ def build_model(preset: str, seed: int = 0):
     with torch.no_grad():
         _randomize(model, seed, **CONDITIONING.get(preset, {}))
         _randomize_vision(model, seed)
+        if preset in AUDIO_PRESETS:
+            _randomize_audio(model, seed)
     return model
 
 
