@@ -2,11 +2,14 @@
 `encode`) into the rows that replace its placeholders in the prompt.
 
 The engine tells tokens apart by id, and prefix reuse compares ids; an image has no ids, so each of its soft
-tokens gets a key of its own: a negative number made of a hash of the decoded pixels and the token's index
-(`soft_keys`). The same picture always gets the same keys, so a follow-up question about it reuses the caches
-like any repeated text, and the encoder keeps its newest results by that hash, so the image is not encoded
-again. Keys never reach the vocabulary: the engine embeds a negative id as its soft token's row, with the
-per-layer embedding of the pad token (transformers replaces multimodal ids by the pad id for that lookup).
+tokens gets a key of its own: a negative number made of its picture's number and the token's index
+(`soft_keys`). A picture's number stands for its identity (`image_identity`: a 256-bit hash of the decoded
+pixels and of the preprocessing that turns them into soft tokens) one to one within the process (`image_number`),
+so the same picture always gets the same keys, and a follow-up question about it reuses the caches like any
+repeated text, while two pictures get the same keys only if their whole identities agree. The encoder keeps its
+newest results by identity, so the image is not encoded again. Keys never reach the vocabulary: the engine
+embeds a negative id as its soft token's row, with the per-layer embedding of the pad token (transformers
+replaces multimodal ids by the pad id for that lookup).
 
 Every modality's encoder meets `MediaEncoder`: the content-part type it takes, its begin/placeholder/end token ids,
 and prepare/encode. Prompts are expanded by `expand_media` over a dict of them keyed by part type, so a second one
@@ -19,6 +22,7 @@ Torch-free: this is the runtime side.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,8 @@ FUNCTION = "encode"
 OTHER_MEDIA = ("audio", "input_audio", "video")  # parts Gemma 4's template renders that this runtime cannot read
 MODEL_OF = {"image": "vision model"}  # what a bundle lacks when it cannot encode a part type
 KEY_BITS = 11  # a soft token's index within its image: up to 2048 (the largest budget is 1120)
+NUMBER_BITS = 48  # a picture's number (image_number): with KEY_BITS, keys stay within int64
+IDENTITY_BYTES = 32  # image_identity: 256 bits, no collision to be found
 CACHED_IMAGES = 8  # encoded images kept, newest first: a chat's pictures are not encoded twice
 
 
@@ -47,18 +53,59 @@ class SoftTokens:
     rows: np.ndarray
 
 
-def soft_keys(digest: bytes, n: int) -> list[int]:
-    """n negative ids unique to this picture: 48 bits of its hash, then the index. Negative keeps them out of
-    every vocabulary; a prompt cache file stores them as int64."""
-    base = int.from_bytes(digest[:6], "big") << KEY_BITS
+def image_identity(img, budget: int, patch_size: int, pooling_kernel_size: int) -> bytes:
+    """What an image's soft tokens depend on, as a 256-bit hash: the picture as decoded (size and RGB bytes:
+    equal pictures from any file or format agree) and the preprocessing (the soft-token budget, the patch and
+    pooling sizes), so one picture under another budget is another identity."""
+    what = f"{img.width}x{img.height}:{budget}:{patch_size}:{pooling_kernel_size}:"
+    h = hashlib.blake2b(what.encode(), digest_size=IDENTITY_BYTES)
+    h.update(img.tobytes())
+    return h.digest()
+
+
+# The engine's token list and prompt cache files are int64, too narrow for an identity, so each identity is
+# interned to a number below 2**NUMBER_BITS, one to one: a picture's number starts at the first 48 bits of its
+# identity, and when another identity already holds that number (only a collision made on purpose finds one,
+# as issue 25's did in 50 s) it takes the next free one. Prefix reuse and the encoder's cache then compare
+# whole identities by comparing keys, with no change to the engine. Numbers are what this process made of the
+# identities it met, so a prompt cache file stores the identity of every picture its tokens hold and maps its
+# keys to this process's numbers on load (prompt_cache.py). The table is never pruned: a number still in some
+# engine's caches must never pass to another picture. It holds one entry (about 200 bytes) per distinct picture
+# the process has encoded or loaded, far less than the picture itself cost to decode and encode.
+_numbers: dict[bytes, int] = {}
+_identities: dict[int, bytes] = {}
+_interning = threading.Lock()  # the server encodes off its event loop: two threads must not take one number
+
+
+def image_number(identity: bytes) -> int:
+    """This process's number for a picture's identity: the same identity always the same number, two
+    identities never the same one."""
+    with _interning:
+        number = _numbers.get(identity)
+        if number is None:
+            number = int.from_bytes(identity[: NUMBER_BITS // 8], "big")
+            while number in _identities:
+                number = (number + 1) % (1 << NUMBER_BITS)
+            _numbers[identity], _identities[number] = number, identity
+        return number
+
+
+def soft_keys(identity: bytes, n: int) -> list[int]:
+    """n negative ids unique to this picture (image_identity): its number (image_number), then the index.
+    Negative keeps them out of every vocabulary; a prompt cache file stores them as int64."""
+    base = image_number(identity) << KEY_BITS
     return [-(base + j) - 1 for j in range(n)]
 
 
-def pixel_digest(img) -> bytes:
-    """A hash of the picture as decoded (size and RGB bytes): equal pictures from any file or format agree."""
-    h = hashlib.blake2b(f"{img.width}x{img.height}".encode(), digest_size=16)
-    h.update(img.tobytes())
-    return h.digest()
+def key_number(key: int) -> tuple[int, int]:
+    """(the picture's number, the token's index) of a soft token's key: soft_keys inverted."""
+    return (-key - 1) >> KEY_BITS, (-key - 1) & ((1 << KEY_BITS) - 1)
+
+
+def identity_of(number: int) -> bytes | None:
+    """The identity this process gave `number`, or None."""
+    with _interning:
+        return _identities.get(number)
 
 
 def encoder_inputs(patches: Patches, table: np.ndarray, head_dim: int, rope_theta: float, k: int) -> dict:
@@ -111,7 +158,7 @@ class MediaEncoder(Protocol):
 
 class ImageEncoder:
     """`encode(image)`: an image (path, bytes or PIL image) as SoftTokens, through the vision model; the newest
-    CACHED_IMAGES results kept by pixel hash. `encoded` counts the vision model's calls."""
+    CACHED_IMAGES results kept by identity (image_identity). `encoded` counts the vision model's calls."""
 
     kind = "image"
 
@@ -127,13 +174,13 @@ class ImageEncoder:
         return e["boi_token_id"], e["image_token_id"], e["eoi_token_id"]
 
     def prepare(self, image, what: str = "image") -> tuple[bytes, Patches | None]:
-        """(the picture's hash, its patches), or (hash, None) when it is cached: the cheap half of encode,
+        """(the picture's identity, its patches), or (identity, None) when it is cached: the cheap half of encode,
         which tells how many soft tokens the image will take before the vision model runs."""
         img = load_image(image, what)
-        digest = pixel_digest(img)
+        e = self.entry
+        digest = image_identity(img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"])
         if digest in self.cache:
             return digest, None
-        e = self.entry
         return digest, preprocess(img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"], what)
 
     def soft_tokens(self, prepared: tuple[bytes, Patches | None]) -> int:

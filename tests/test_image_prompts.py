@@ -168,6 +168,49 @@ def test_prompt_cache_file_keeps_an_image(model, vision_bundle, images, tmp_path
     assert min(np.load(path)["tokens"]) < -(2**31)  # the keys need int64
 
 
+def test_pictures_whose_first_48_bits_collide_never_share_tokens(model, vision_bundle, monkeypatch, tmp_path):
+    """Issue 25: keys were 48 bits of the pixel hash, and a collision found in 50 s made the model answer about
+    picture B from picture A's cached tokens. Forced here: every identity starts with the same 48 bits."""
+    from gemma_ane import encoder
+
+    real = encoder.image_identity
+    monkeypatch.setattr(encoder, "image_identity", lambda *a: b"\0" * 6 + real(*a)[6:])
+    a, b = picture(4, 4, 31), picture(4, 4, 32)
+
+    def question(img):
+        return [user(image(img), "What is this?")]
+
+    model.reset()
+    first = model.generate(messages=question(a), max_tokens=3, temperature=0)
+    # a follow-up shape, so the first prompt's end is a snapshot a collision could reuse past the ring's wrap
+    follow = [*question(b), {"role": "assistant", "content": first.text}, user("And its colour?")]
+    after_a = model.generate(messages=follow, max_tokens=3, temperature=0, logprobs=0)
+    start = model.engine.tokens.index(model.images.token_ids[0])
+    assert after_a.reused_tokens <= start + 1  # the text before the picture, never A's soft tokens
+    model.reset()
+    alone = model.generate(messages=follow, max_tokens=3, temperature=0, logprobs=0)
+    assert alone.tokens == after_a.tokens
+    np.testing.assert_allclose(alone.logprobs, after_a.logprobs, atol=2e-2)
+    both = model.generate(messages=[user(image(a), image(b), "Compare.")], max_tokens=1, temperature=0)
+    boi, _, eoi = model.images.token_ids
+    tokens = model.engine.tokens[: both.prompt_tokens]
+    first, second = (tokens[i + 1 : tokens.index(eoi, i)] for i in [j for j, t in enumerate(tokens) if t == boi])
+    assert set(first).isdisjoint(second)  # in one prompt too: each picture its own rows
+    path = tmp_path / "b.npz"  # B (the second number of its 48 bits here) in a file, read by a new process
+    model.reset()
+    saved = model.generate(messages=question(b), max_tokens=3, temperature=0)
+    model.save_prompt_cache(path, saved.prompt_tokens)
+    monkeypatch.setattr(encoder, "_numbers", {})
+    monkeypatch.setattr(encoder, "_identities", {})
+    other = load(vision_bundle, backend="mil")
+    assert other.load_prompt_cache(path) == saved.prompt_tokens
+    about_a = other.generate(messages=question(a), max_tokens=3, temperature=0)
+    assert about_a.reused_tokens <= start + 1
+    other.load_prompt_cache(path)
+    about_b = other.generate(messages=question(b), max_tokens=3, temperature=0)
+    assert about_b.reused_tokens == saved.prompt_tokens - 1 and about_b.tokens == saved.tokens
+
+
 def test_bad_image_input_is_one_line(model, tiny_bundle16, images, tmp_path):
     (tmp_path / "not.png").write_text("hello")
     bad = {

@@ -98,3 +98,5 @@ def test_the_cli_saves_the_system_turn_and_the_next_run_starts_from_it(tiny_bund
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really")
     assert main(["generate", str(tiny_bundle16), "-p", "x", "--prompt-cache", str(tmp_path / "junk.npz")]) == 2
     assert "junk.npz: not a prompt cache file" in capsys.readouterr().err
+    assert main(["generate", str(tiny_bundle16), "-p", "x", "--prompt-cache", str(tmp_path)]) == 2
+    assert f"{tmp_path}: not a prompt cache file (a directory, not a regular file)" in capsys.readouterr().err
