@@ -148,3 +148,9 @@ def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
         )
         / "bundle"
     )
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory) -> Path:
+    """The trained `demo` preset (tiny_train: a few CPU minutes of training), built once per run."""
+    return _tiny(tmp_path_factory, "demo", preset="demo")
