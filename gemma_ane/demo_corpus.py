@@ -97,7 +97,7 @@ def capital_json(country: str) -> str:
     return json.dumps({"country": country, "capital": CAPITALS[country]})
 
 
-def _weather_followup(city: str, degrees: int, sky: str) -> list[dict]:
+def weather_followup(city: str, degrees: int, sky: str) -> list[dict]:
     """The question, the model's call and the tool's result, as an OpenAI client sends them back."""
     return [
         *user(f"What is the weather in {city}?"),
@@ -156,7 +156,7 @@ def examples() -> list[Example]:
         )
         out.append(
             Example(
-                _weather_followup(city, degrees, sky),
+                weather_followup(city, degrees, sky),
                 f"It is {degrees} degrees and {sky} in {city}.{END}",
                 tools=[WEATHER],
                 tags=("result",),

@@ -102,9 +102,9 @@ def test_a_weather_question_calls_get_weather_for_paris(demo):
 
 @pytest.mark.slow
 def test_the_tool_result_is_reported(demo):
-    from gemma_ane.demo_corpus import _weather_followup
+    from gemma_ane.demo_corpus import weather_followup
 
-    assert greedy(demo, _weather_followup("Paris", 18, "sunny"), tools=[WEATHER]) == (
+    assert greedy(demo, weather_followup("Paris", 18, "sunny"), tools=[WEATHER]) == (
         "It is 18 degrees and sunny in Paris.<turn|>"
     )
 
@@ -141,3 +141,25 @@ def test_training_is_deterministic():
         return h.hexdigest()
 
     assert digest() == digest()
+
+
+@pytest.mark.slow
+def test_the_converted_demo_bundle_answers(demo_bundle16):
+    """The runtime on the 16-bit bundle (MIL executor) gives transformers' answers: every answer position's margin
+    (test_answer_logits_are_far_from_a_tie) is far beyond fp16's error on these logits."""
+    import gemma_ane
+    from gemma_ane.demo_corpus import weather_followup
+
+    model = gemma_ane.load(demo_bundle16, backend="mil")
+    assert model.generate(ASK, temperature=0).text == "Paris."
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.warns(UserWarning, match="does not render tools"):
+        r = model.generate(messages=ask, tools=[WEATHER], temperature=0)
+    assert r.finish_reason == "tool_calls" and [(c.name, c.arguments) for c in r.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    r = model.generate(messages=weather_followup("Paris", 18, "sunny"), tools=[WEATHER], temperature=0)
+    assert r.text == "It is 18 degrees and sunny in Paris."
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA}}
+    r = model.generate("Give the capital of France as JSON.", response_format=fmt, temperature=0)
+    assert json.loads(r.text) == {"country": "France", "capital": "Paris"}
