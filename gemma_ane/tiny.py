@@ -4,6 +4,9 @@ They exist so every test can compare against transformers' forward pass. The wei
 so that a wrong formula cannot hide: norm weights far from 1, layer scalars far from 1, and a
 residual stream large enough that a naive fp16 RMSNorm would overflow. Each preset also has a
 matched drafter (Gemma4AssistantForCausalLM) for speculative decoding.
+
+One preset is not random: `demo` is trained for a few CPU minutes on a small chat corpus (tiny_train.py,
+demo_corpus.py) so that the demo answers checkably.
 """
 
 from __future__ import annotations
