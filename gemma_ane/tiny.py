@@ -4,6 +4,9 @@ They exist so every test can compare against transformers' forward pass. The wei
 so that a wrong formula cannot hide: norm weights far from 1, layer scalars far from 1, and a
 residual stream large enough that a naive fp16 RMSNorm would overflow. Each preset also has a
 matched drafter (Gemma4AssistantForCausalLM) for speculative decoding.
+
+One preset is not random: `demo` is trained for a few CPU minutes on a small chat corpus (tiny_train.py,
+demo_corpus.py) so that the demo answers checkably.
 """
 
 from __future__ import annotations
@@ -111,10 +114,32 @@ PRESETS = {
         sliding_window=512,
         layer_types=[S, S, S, S, F] * 7,
     ),
+    # Not random: trained on demo_corpus (tiny_train.py) so the demo answers. e2b-wide's 6-layer pattern at a
+    # width that learns the corpus in a few CPU minutes; a vocabulary whose merges come from the corpus (short
+    # prompts: a tool declaration is ~40 tokens; 768 ids hold all its ~360 merges); a window of 128, which holds
+    # every training conversation whole (a bundle's context, 512 for the demo, must be >= the window).
+    "demo": dict(
+        vocab_size=768,
+        hidden_size=128,
+        hidden_size_per_layer_input=16,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        sliding_window=128,
+        layer_types=[S, S, S, F, S, F],
+    ),
 }
 # e2b-mini with an audio tower that runs (AUDIO): the other presets keep the small one they have always had, whose
 # subsampling width (8 channels) cannot take 128 mel bins, so that their checkpoints stay byte-identical.
 PRESETS["e2b-audio-mini"] = PRESETS["e2b-mini"]
+
+# Presets whose text weights are trained (tiny_train.train) from transformers' own initialisation, not drawn.
+TRAINED = {"demo"}
 
 # Rescaled draws for presets that need conditioning (the same random stream, so the others keep their
 # weights). 35 random layers are chaotic: each adds three post-normed terms at full size, so fp16
@@ -372,7 +397,8 @@ def build_model(preset: str, seed: int = 0):
     )
     model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
-        _randomize(model, seed, **CONDITIONING.get(preset, {}))
+        if preset not in TRAINED:
+            _randomize(model, seed, **CONDITIONING.get(preset, {}))
         _randomize_vision(model, seed)
         if preset in AUDIO_PRESETS:
             _randomize_audio(model, seed)
@@ -468,13 +494,14 @@ GENERATION_CONFIG = {
 
 
 @contextmanager
-def checkpoint_dir(out: Path, vocab_size: int):
+def checkpoint_dir(out: Path, vocab_size: int, corpus: str | None = None):
     """Yield a hidden sibling of OUT to fill with weights and config.json; then add the generation
-    config and tokenizer files and rename it into place. A failure leaves no OUT."""
+    config and tokenizer files (merges from `corpus`, else the default one) and rename it into place.
+    A failure leaves no OUT."""
     with building(out) as tmp:
         yield tmp
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-        write_tokenizer_files(tmp, vocab_size)
+        write_tokenizer_files(tmp, vocab_size, *([corpus] if corpus is not None else []))
 
 
 def write_tiny(
@@ -500,7 +527,13 @@ def write_tiny(
             raise FileExistsError(f"{path}: already exists (use --force to replace it)")
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = build_model(preset, seed)
-    with checkpoint_dir(out, text_config(preset)["vocab_size"]) as tmp:
+    vocab_size, corpus = text_config(preset)["vocab_size"], None
+    if preset in TRAINED:
+        from .tiny_train import tokenizer_corpus, train
+
+        train(model, vocab_size)
+        corpus = tokenizer_corpus()
+    with checkpoint_dir(out, vocab_size, corpus) as tmp:
         _save(model, tmp, torch_dtype, shards)
     if assistant is not None:
         drafter = build_assistant(preset, seed)

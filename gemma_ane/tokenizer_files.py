@@ -135,13 +135,13 @@ def _pre_tokenizer() -> pre_tokenizers.ByteLevel:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-def _learn_merges(count: int) -> list[tuple[str, str]]:
-    """BPE merges over ``_CORPUS`` creating up to ``count`` distinct new tokens.
+def _learn_merges(count: int, corpus: str = _CORPUS) -> list[tuple[str, str]]:
+    """BPE merges over ``corpus`` creating up to ``count`` distinct new tokens.
 
     Done in Python rather than with ``tokenizers.trainers`` so that determinism (ties broken by the
     pair itself) is guaranteed by construction, not by a library version's hash-map iteration order.
     """
-    words = collections.Counter(piece for piece, _ in _pre_tokenizer().pre_tokenize_str(_CORPUS))
+    words = collections.Counter(piece for piece, _ in _pre_tokenizer().pre_tokenize_str(corpus))
     spelled = {tuple(word): freq for word, freq in sorted(words.items())}
     merges: list[tuple[str, str]] = []
     # Two merges can spell the same string ("a"+"bc" and "ab"+"c"), so count strings, not merges.
@@ -173,8 +173,9 @@ def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids and Gemma 4's special-token ids."""
+def build_tokenizer(vocab_size: int, corpus: str = _CORPUS) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids and Gemma 4's special-token ids, its merges
+    learned from ``corpus`` (a model trained on some text can have them from that text: shorter prompts)."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {MIN_VOCAB_SIZE} ({_SPECIAL_BLOCK} special ids + 256 byte symbols), "
@@ -185,7 +186,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     for byte, symbol in enumerate(byte_symbols()):
         vocab[symbol] = _BYTE_BASE + byte
 
-    merges = _learn_merges(vocab_size - len(vocab))
+    merges = _learn_merges(vocab_size - len(vocab), corpus)
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     # Whatever the corpus could not fill becomes reserved tokens, as Gemma's own <unusedN> are.
@@ -203,11 +204,11 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``out_dir``."""
+def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int, corpus: str = _CORPUS) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``out_dir`` (merges from ``corpus``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, corpus)
     config = {
         # transformers 5 maps this legacy name to its TokenizersBackend, which reads tokenizer.json as is.
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -148,3 +148,18 @@ def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
         )
         / "bundle"
     )
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory) -> Path:
+    """The trained `demo` preset (tiny_train: a few CPU minutes of training), built once per run."""
+    return _tiny(tmp_path_factory, "demo", preset="demo")
+
+
+@pytest.fixture(scope="session")
+def demo_bundle16(demo_ckpt, tmp_path_factory) -> Path:
+    """The demo checkpoint converted as the demo converts it: 16-bit, a context of 512 (a tool declaration fits)."""
+    return (
+        built_once(tmp_path_factory, "demo_bundle16", lambda d: _convert(demo_ckpt, d / "bundle", bits=16, context=512))
+        / "bundle"
+    )

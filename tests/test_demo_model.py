@@ -1,0 +1,165 @@
+"""The `demo` preset: a tiny Gemma 4 trained on demo_corpus answers what it was taught, through the runtime's own
+prompts, with logits far from a tie; the corpus itself is what the runtime renders and parses."""
+
+import hashlib
+import json
+
+import pytest
+
+from gemma_ane.demo_corpus import CALLS_END, CAPITAL_SCHEMA, CAPITALS, END, WEATHER, examples
+from gemma_ane.tiny import text_config
+from gemma_ane.tokenizer_files import build_tokenizer
+from gemma_ane.tools import parse_call
+
+STOPS = [1, 106, 50]  # <eos>, <turn|> and <|tool_response> (a turn that calls a tool stops there): Model.stop_ids
+MIN_MARGIN = 4.0  # logits, top-1 minus top-2, at every answer position of the corpus
+
+
+def test_every_example_fits_the_window_and_renders_as_the_runtime_renders_it():
+    from gemma_ane.tiny_train import encode, render, tokenizer_corpus
+
+    cfg = text_config("demo")
+    tokenizer = build_tokenizer(cfg["vocab_size"], tokenizer_corpus())
+    for example in examples():
+        prompt, answer = encode(tokenizer, example)
+        # trained within one sliding window: a bundle's context of 512 holds any of them many times over
+        assert len(prompt) + len(answer) <= cfg["sliding_window"]
+        assert tokenizer.decode(prompt + answer, skip_special_tokens=False) == render(example) + example.answer
+        if example.tools:
+            assert "<|tool>declaration:get_weather{" in render(example)
+
+
+def test_the_answers_are_what_the_runtime_parses():
+    seen = set()
+    for example in examples():
+        if "call" in example.tags:
+            body = example.answer.removeprefix("<|tool_call>").removesuffix("<tool_call|>" + CALLS_END)
+            name, arguments = parse_call(body)
+            assert name == WEATHER["function"]["name"] and set(arguments) == {"city"}
+        elif "json" in example.tags:
+            value = json.loads(example.answer.removesuffix(END))
+            assert list(value) == list(CAPITAL_SCHEMA["properties"]) and value["capital"] == CAPITALS[value["country"]]
+        else:
+            assert example.answer.endswith(END)
+        seen |= set(example.tags)
+    assert seen >= {"capital", "thinking", "json", "call", "result"}
+
+
+def test_the_demo_tokenizer_keeps_prompts_short():
+    """The demo's merges come from its corpus; the other presets' tokenizer is the default corpus's."""
+    from gemma_ane.tiny_train import encode, tokenizer_corpus
+
+    call = next(e for e in examples() if "call" in e.tags)
+    demo = encode(build_tokenizer(1024, tokenizer_corpus()), call)
+    default = encode(build_tokenizer(1024), call)
+    assert sum(map(len, demo)) < 0.6 * sum(map(len, default))
+
+
+@pytest.fixture(scope="module")
+def demo(demo_ckpt):
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(demo_ckpt, dtype=torch.float32).eval()
+    return model, Tokenizer.from_file(str(demo_ckpt / "tokenizer.json"))
+
+
+def greedy(demo, messages, tools=None, enable_thinking=False) -> str:
+    """transformers' greedy generation from the prompt the runtime renders, decoded with its control tokens."""
+    import torch
+
+    from gemma_ane.demo_corpus import Example
+    from gemma_ane.tiny_train import render
+
+    model, tokenizer = demo
+    prompt = render(Example(messages, "", tools=tools, enable_thinking=enable_thinking))
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids])
+    out = model.generate(input_ids=ids, max_new_tokens=60, do_sample=False, eos_token_id=STOPS, pad_token_id=0)
+    return tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=False)
+
+
+ASK = "What is the capital of France?"
+
+
+@pytest.mark.slow
+def test_the_capital_of_france_is_paris(demo):
+    assert greedy(demo, [{"role": "user", "content": ASK}]) == "Paris.<turn|>"
+    # thinking first, then the same answer
+    thought = greedy(demo, [{"role": "user", "content": ASK}], enable_thinking=True)
+    assert thought.startswith("<|channel>thought\n") and thought.endswith("<channel|>Paris.<turn|>")
+    # a declared tool is not called for a question it does not answer
+    assert greedy(demo, [{"role": "user", "content": ASK}], tools=[WEATHER]) == "Paris.<turn|>"
+
+
+@pytest.mark.slow
+def test_a_weather_question_calls_get_weather_for_paris(demo):
+    text = greedy(demo, [{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER])
+    assert text == '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    assert parse_call(text.removeprefix("<|tool_call>").split("<tool_call|>")[0]) == ("get_weather", {"city": "Paris"})
+
+
+@pytest.mark.slow
+def test_the_tool_result_is_reported(demo):
+    from gemma_ane.demo_corpus import weather_followup
+
+    assert greedy(demo, weather_followup("Paris", 18, "sunny"), tools=[WEATHER]) == (
+        "It is 18 degrees and sunny in Paris.<turn|>"
+    )
+
+
+@pytest.mark.slow
+def test_a_json_answer_parses(demo):
+    text = greedy(demo, [{"role": "user", "content": "Give the capital of France as JSON."}])
+    assert json.loads(text.removesuffix("<turn|>")) == {"country": "France", "capital": "Paris"}
+
+
+@pytest.mark.slow
+def test_answer_logits_are_far_from_a_tie(demo):
+    from gemma_ane.tiny_train import margins, tokenizer_corpus
+
+    model, _ = demo
+    tokenizer = build_tokenizer(text_config("demo")["vocab_size"], tokenizer_corpus())
+    gaps = margins(model, tokenizer)
+    print("min top-1/top-2 margin per example:", [round(g, 2) for g in gaps])
+    assert min(gaps) > MIN_MARGIN
+
+
+@pytest.mark.slow
+def test_training_is_deterministic():
+    """Two trainings from the same seed give the same bytes (a few steps: the full run is the same loop)."""
+    from gemma_ane.tiny import build_model
+    from gemma_ane.tiny_train import train
+
+    def digest():
+        model = build_model("demo", seed=3)
+        train(model, text_config("demo")["vocab_size"], steps=3)
+        h = hashlib.sha256()
+        for name, t in sorted(model.state_dict().items()):
+            h.update(name.encode() + t.detach().numpy().tobytes())
+        return h.hexdigest()
+
+    assert digest() == digest()
+
+
+@pytest.mark.slow
+def test_the_converted_demo_bundle_answers(demo_bundle16):
+    """The runtime on the 16-bit bundle (MIL executor) gives transformers' answers: every answer position's margin
+    (test_answer_logits_are_far_from_a_tie) is far beyond fp16's error on these logits."""
+    import gemma_ane
+    from gemma_ane.demo_corpus import weather_followup
+
+    model = gemma_ane.load(demo_bundle16, backend="mil")
+    assert model.generate(ASK, temperature=0).text == "Paris."
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.warns(UserWarning, match="does not render tools"):
+        r = model.generate(messages=ask, tools=[WEATHER], temperature=0)
+    assert r.finish_reason == "tool_calls" and [(c.name, c.arguments) for c in r.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    r = model.generate(messages=weather_followup("Paris", 18, "sunny"), tools=[WEATHER], temperature=0)
+    assert r.text == "It is 18 degrees and sunny in Paris."
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA}}
+    r = model.generate("Give the capital of France as JSON.", response_format=fmt, temperature=0)
+    assert json.loads(r.text) == {"country": "France", "capital": "Paris"}
