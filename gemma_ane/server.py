@@ -39,7 +39,7 @@ from pathlib import Path
 from . import grammar
 from .chat import ChatError
 from .engine import ContextOverflow
-from .images import ImageError, _pil, data_url_bytes
+from .images import MAX_PIXELS, ImageError, _pil, data_url_bytes
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
 from .tools import ToolError, check_tool_choice, check_tools
@@ -246,7 +246,7 @@ class ImageLimits:
     """What the images of one request may be; each is checked before the request queues."""
 
     max_image_bytes: int = 10_000_000  # an image's file, decoded from base64
-    max_image_pixels: int = 40_000_000  # width * height, from the file's header
+    max_image_pixels: int = MAX_PIXELS  # width * height, from the file's header
     max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
     # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
     # client, which could otherwise make it reach any address it can (its own network included)
@@ -1004,7 +1004,7 @@ def serve(
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     if remote_images:
         log.warning("--allow-remote-images: requests may make this server fetch any http(s) URL it can reach")
-    model = load(bundle, backend=backend)
+    model = load(bundle, backend=backend, max_image_pixels=max_image_pixels)  # the runtime checks it again
     model.allow_special_tokens = allow_special_tokens
     model.use_drafts(draft_tokens)
     if prompt_cache:
