@@ -9,12 +9,27 @@ __version__ = "0.1.0"
 logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 
-def load(bundle, backend="auto", compute_units="cpu_and_ne", verify=False, precision="fp16", exact_rope=True):
-    """Open a bundle: see gemma_ane.runtime.load."""
+def load(
+    bundle,
+    backend="auto",
+    compute_units="cpu_and_ne",
+    verify=False,
+    precision="fp16",
+    exact_rope=True,
+    max_image_pixels=None,
+):
+    """Open a bundle: see gemma_ane.runtime.load (max_image_pixels None: its default, images.MAX_PIXELS)."""
+    from .images import MAX_PIXELS
     from .runtime import load as _load
 
     return _load(
-        bundle, backend=backend, compute_units=compute_units, verify=verify, precision=precision, exact_rope=exact_rope
+        bundle,
+        backend=backend,
+        compute_units=compute_units,
+        verify=verify,
+        precision=precision,
+        exact_rope=exact_rope,
+        max_image_pixels=MAX_PIXELS if max_image_pixels is None else max_image_pixels,
     )
 
 

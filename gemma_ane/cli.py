@@ -20,6 +20,7 @@ from .checkpoint import CheckpointError
 from .engine import NonFiniteOutput
 from .files import write_json
 from .grammar import GrammarError, response_grammar
+from .images import MAX_PIXELS
 from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 from .tools import MAX_DEPTH
@@ -72,6 +73,7 @@ def cmd_verify(a):
             seed=a.seed,
             prompt_len=a.prompt_tokens,
             images=a.image or (),
+            max_image_pixels=a.max_image_pixels,
         )
     else:
         report = verify_graph(
@@ -204,7 +206,7 @@ def cmd_generate(a):
         content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
-    model = load(a.bundle, backend=a.backend)
+    model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     prompt = None if a.image else a.prompt
@@ -391,6 +393,16 @@ def cmd_check(a):
 DRAFT_HELP = "speculative decoding: the bundle's drafter proposes K tokens a verify call (convert --assistant)"
 
 
+def _add_max_image_pixels(s):
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_PIXELS,
+        metavar="N",
+        help=f"largest width*height of an image, read from its header before decoding (default {MAX_PIXELS})",
+    )
+
+
 def _add_sampling(s):
     s.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
     s.add_argument("--max-tokens", type=int, default=256)
@@ -512,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="an image the prompt is about, placed before its text (repeat for more; needs a bundle with vision)",
     )
+    _add_max_image_pixels(s)
     s.add_argument("--raw", action="store_true", help="no chat template: <bos> + the text")
     s.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
     s.add_argument(
@@ -548,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="with --bundle: put this image in the prompt (repeat for more), against Gemma4ForConditionalGeneration",
     )
+    _add_max_image_pixels(s)
     s.add_argument(
         "--precision",
         choices=["fp32", "fp16"],

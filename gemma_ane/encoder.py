@@ -34,7 +34,7 @@ from .backend import open_one_function
 from .bundle import BundleError, _load_npy
 from .engine import ContextOverflow
 from .host import MASK_BLOCKED
-from .images import ImageError, Patches, data_url_bytes, load_image, preprocess
+from .images import MAX_PIXELS, ImageError, Patches, data_url_bytes, load_image, preprocess
 
 FUNCTION = "encode"
 OTHER_MEDIA = ("audio", "input_audio", "video")  # parts Gemma 4's template renders that this runtime cannot read
@@ -158,12 +158,13 @@ class MediaEncoder(Protocol):
 
 class ImageEncoder:
     """`encode(image)`: an image (path, bytes or PIL image) as SoftTokens, through the vision model; the newest
-    CACHED_IMAGES results kept by identity (image_identity). `encoded` counts the vision model's calls."""
+    CACHED_IMAGES results kept by identity (image_identity). `encoded` counts the vision model's calls; `max_pixels`
+    bounds an image's width * height, checked from its header before it is decoded."""
 
     kind = "image"
 
-    def __init__(self, package, table: np.ndarray, entry: dict):
-        self.package, self.table, self.entry = package, table, entry
+    def __init__(self, package, table: np.ndarray, entry: dict, max_pixels: int = MAX_PIXELS):
+        self.package, self.table, self.entry, self.max_pixels = package, table, entry, max_pixels
         self.cache: OrderedDict[bytes, SoftTokens] = OrderedDict()
         self.encoded = 0
 
@@ -176,12 +177,14 @@ class ImageEncoder:
     def prepare(self, image, what: str = "image") -> tuple[bytes, Patches | None]:
         """(the picture's identity, its patches), or (identity, None) when it is cached: the cheap half of encode,
         which tells how many soft tokens the image will take before the vision model runs."""
-        img = load_image(image, what)
+        img = load_image(image, what, self.max_pixels)
         e = self.entry
         digest = image_identity(img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"])
         if digest in self.cache:
             return digest, None
-        return digest, preprocess(img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"], what)
+        return digest, preprocess(
+            img, e["image_tokens"], e["patch_size"], e["pooling_kernel_size"], what, self.max_pixels
+        )
 
     def soft_tokens(self, prepared: tuple[bytes, Patches | None]) -> int:
         digest, patches = prepared
@@ -208,8 +211,13 @@ class ImageEncoder:
         return tokens
 
 
-def open_image_encoder(root: str | Path, backend: str, precision: str, compute_units: str, config: dict):
-    """The bundle's image encoder, or None when model_config.json states no vision model."""
+def open_image_encoder(
+    root: str | Path, backend: str, precision: str, compute_units: str, config: dict, max_pixels: int = MAX_PIXELS
+):
+    """The bundle's image encoder (taking images of at most max_pixels), or None when model_config.json states no
+    vision model."""
+    if max_pixels < 1:
+        raise ValueError(f"max_image_pixels={max_pixels}: must be >= 1")
     entry = config.get("vision")
     if entry is None:
         return None
@@ -221,7 +229,7 @@ def open_image_encoder(root: str | Path, backend: str, precision: str, compute_u
     need = (2, entry["image_tokens"] * entry["pooling_kernel_size"], width)
     if table.shape != need:
         raise BundleError(f"{path}: shape {table.shape}, expected {need} (x and y rows the budget reaches)")
-    return ImageEncoder(package, table, entry)
+    return ImageEncoder(package, table, entry, max_pixels)
 
 
 # -- prompts with media ----------------------------------------------------------------------------------------

@@ -20,13 +20,20 @@ What `load_image` does with awkward input (as transformers, unless said otherwis
 - extreme aspect ratios: no limit. As in transformers, a short side that would round to nothing becomes
   one pooling cell (48 px) and the long side at most `max_soft_tokens` cells: a 1x20000 strip is resized to
   48x13440 at 280 (squeezed, never refused).
-- size: files over Pillow's decompression-bomb limit (2 x `PIL.Image.MAX_IMAGE_PIXELS`, ~179 MP) are refused.
+- formats: PNG, JPEG (and MPO), WebP, GIF, BMP and TIFF, told apart by their magic numbers before Pillow sees
+  the bytes, and each read by its own Pillow plugin only. Anything else is refused, naming the format when it
+  is a known one (EPS, PDF, PSD, HEIF...): Pillow's EPS plugin runs Ghostscript on the file, and a vision
+  model needs none of the rest. A PIL image passed in is the caller's own choice of plugin.
+- size: more than `max_pixels` (width x height, default MAX_PIXELS) is refused from the file's header, before
+  any pixel is decoded; the caller sets the limit (serve --max-image-pixels, generate/verify's flag of that
+  name, `load(max_image_pixels=)`). Pillow's own decompression-bomb check is never reached.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import math
 import os
@@ -35,6 +42,36 @@ from dataclasses import dataclass
 import numpy as np
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_TOKENS; E2B's default is 280
+MAX_PIXELS = 40_000_000  # width * height: a 40 MP photo decodes to 120 MB of RGB; the server's default too
+
+# The accepted formats by their magic numbers, as Pillow's plugins name them (MPO is a JPEG to its plugin)
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"II+\x00", "TIFF"),  # BigTIFF
+    (b"MM\x00+", "TIFF"),
+)
+ACCEPTED = "PNG, JPEG, WebP, GIF, BMP or TIFF"
+# Refused formats named in the error, so that a caller knows what was sent (the rest is "not an image")
+_REFUSED = (
+    (b"%!PS", "PostScript (EPS)"),
+    (b"\xc5\xd0\xd3\xc6", "PostScript (EPS)"),  # DOS EPS binary header
+    (b"%PDF", "PDF"),
+    (b"8BPS", "Photoshop (PSD)"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"qoif", "QOI"),
+    (b"icns", "ICNS"),
+    (b"DDS ", "DDS"),
+    (b"v/1\x01", "OpenEXR"),
+    (b"<svg", "SVG"),
+)
 
 
 class ImageError(ValueError):
@@ -53,7 +90,46 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def load_image(src, what: str = "image"):
+def image_format(head: bytes, name: str = "image") -> str:
+    """The accepted format (Pillow's name) whose magic number `head` (a file's first 16 bytes) starts with, or a
+    one-line ImageError naming the format found."""
+    for magic, fmt in _MAGIC:
+        if head.startswith(magic):
+            return fmt
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WEBP"
+    found = next((what for magic, what in _REFUSED if head.startswith(magic)), None)
+    if found is None and head[4:8] == b"ftyp":
+        found = "HEIF/AVIF (or another ISO media file)"
+    if found is None and head[:1] == b"P" and head[1:2] in b"1234567" and head[2:3].isspace():
+        found = "Netpbm (PPM/PGM/PBM)"
+    if found is None:
+        raise ImageError(f"{name}: not an image in an accepted format ({ACCEPTED})")
+    raise ImageError(f"{name}: {found} is not an accepted image format ({ACCEPTED})")
+
+
+def open_image(fp, name: str = "image", max_pixels: int = MAX_PIXELS):
+    """The file `fp` (a binary stream at its start) opened lazily as a PIL image, no pixel decoded yet: its format
+    from its magic number, its size within max_pixels from its header."""
+    Image, _ = _pil()
+    fmt = image_format(fp.read(16), name)
+    fp.seek(0)
+    Image.init()
+    if fmt not in Image.OPEN:
+        raise ImageError(f"{name}: this Pillow cannot read {fmt} (built without it)")
+    # Image.open(fp, formats=[fmt]) minus its decompression-bomb check, which would warn (over 89 MP) or refuse
+    # (over 179 MP) before our own limit, the caller's, could answer
+    img = Image.OPEN[fmt][0](fp, None)
+    _check_pixels(img, name, max_pixels)
+    return img
+
+
+def _check_pixels(img, name: str, max_pixels: int) -> None:
+    if img.width * img.height > max_pixels:
+        raise ImageError(f"{name}: {img.width}x{img.height} pixels, more than the limit of {max_pixels}")
+
+
+def load_image(src, what: str = "image", max_pixels: int = MAX_PIXELS):
     """`src` (a path, a file's bytes, or a PIL image) as an upright RGB PIL image; the module doc says how.
     Errors name `what`, and the path when there is one."""
     Image, ImageOps = _pil()
@@ -62,18 +138,23 @@ def load_image(src, what: str = "image"):
     if not (is_path or isinstance(src, (bytes, bytearray, memoryview, Image.Image))):
         raise ImageError(f"{name}: expected a path, bytes or a PIL image, not {type(src).__name__}")
     try:
-        img = src if isinstance(src, Image.Image) else Image.open(src if is_path else io.BytesIO(src))
-        frames = getattr(img, "n_frames", 1)
-        if frames > 1 and img.format != "MPO":
-            raise ImageError(f"{name}: {frames} frames (an animation or a multi-page file); pass a single frame")
-        img.load()  # Pillow decodes lazily: a truncated or corrupt file fails here, inside this try
+        if isinstance(src, Image.Image):
+            _check_pixels(src, name, max_pixels)  # one from Image.open may still be undecoded
+            img, fp = src, contextlib.nullcontext()
+        else:
+            fp = open(src, "rb") if is_path else io.BytesIO(src)
+        with fp:  # the file stays open until its pixels are in: Pillow reads it lazily
+            if not isinstance(src, Image.Image):
+                img = open_image(fp, name, max_pixels)
+            frames = getattr(img, "n_frames", 1)
+            if frames > 1 and img.format != "MPO":
+                raise ImageError(f"{name}: {frames} frames (an animation or a multi-page file); pass a single frame")
+            img.load()  # Pillow decodes lazily: a truncated or corrupt file fails here, inside this try
         img = ImageOps.exif_transpose(img)
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:
+    except Image.DecompressionBombError as e:  # a frame or tile past Pillow's limit, met while decoding
         raise ImageError(f"{name}: {_one_line(e)}") from None
-    except Image.UnidentifiedImageError:
-        raise ImageError(f"{name}: not an image (or in a format Pillow cannot read)") from None
     except OSError as e:
         if e.strerror:  # the file system's answer: no such file, a directory, no permission
             raise ImageError(f"{name}: {e.strerror}") from None
@@ -151,16 +232,23 @@ def target_size(height: int, width: int, max_soft_tokens: int, patch_size: int =
     return h, w
 
 
-def preprocess(image, max_soft_tokens: int = 280, patch_size: int = 16, pooling_kernel_size: int = 3, what="image"):
-    """`image` (anything load_image takes) resized, scaled and cut into patches as transformers' Gemma 4
-    image processor does it: Pillow's bicubic resize of the 8-bit RGB image (its PIL backend's filter),
-    then x / 255 in float64 rounded to float32, with no normalisation."""
+def preprocess(
+    image,
+    max_soft_tokens: int = 280,
+    patch_size: int = 16,
+    pooling_kernel_size: int = 3,
+    what="image",
+    max_pixels: int = MAX_PIXELS,
+):
+    """`image` (anything load_image takes, within max_pixels) resized, scaled and cut into patches as
+    transformers' Gemma 4 image processor does it: Pillow's bicubic resize of the 8-bit RGB image (its PIL
+    backend's filter), then x / 255 in float64 rounded to float32, with no normalisation."""
     if max_soft_tokens not in SOFT_TOKEN_BUDGETS:
         raise ValueError(
             f"max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, not {max_soft_tokens}"
         )
     Image, _ = _pil()
-    img = load_image(image, what)
+    img = load_image(image, what, max_pixels)
     h, w = target_size(img.height, img.width, max_soft_tokens, patch_size, pooling_kernel_size)
     pixels = np.asarray(img.resize((w, h), Image.Resampling.BICUBIC))  # Pillow returns a copy when sizes match
     pixels = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)

@@ -33,6 +33,7 @@ from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
+from .images import MAX_PIXELS
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
 from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
 from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
@@ -553,8 +554,10 @@ def load(
     verify: bool = False,
     precision: str = "fp16",
     exact_rope: bool = True,
+    max_image_pixels: int = MAX_PIXELS,
 ) -> Model:
-    """Open and validate a bundle. `verify=True` also checks every file's sha256 against the manifest."""
+    """Open and validate a bundle. `verify=True` also checks every file's sha256 against the manifest;
+    `max_image_pixels`: the largest width * height of an image in a prompt, checked before it is decoded."""
     from tokenizers import Tokenizer
 
     root = Path(bundle)
@@ -574,7 +577,7 @@ def load(
     generation = read_json(gen_path) if gen_path.is_file() else {}
     config = read_json(root / "model_config.json")
     drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
-    images = open_image_encoder(root, backend, precision, compute_units, config)
+    images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
     return Model(root, engine, tokenizer, _template(root / "hf_model"), generation, config, backend, drafter, images)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
 from .engine import Cancelled, ContextOverflow
-from .images import ImageError, _pil, data_url_bytes
+from .images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
 from .tools import ToolError, check_tool_choice, check_tools
@@ -246,7 +246,7 @@ class ImageLimits:
     """What the images of one request may be; each is checked before the request queues."""
 
     max_image_bytes: int = 10_000_000  # an image's file, decoded from base64
-    max_image_pixels: int = 40_000_000  # width * height, from the file's header
+    max_image_pixels: int = MAX_PIXELS  # width * height, from the file's header
     max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
     # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
     # client. On, only public addresses are fetched (see gemma_ane.fetch)...
@@ -407,15 +407,14 @@ def _image_file(url, where: str, limits: ImageLimits, fetched: dict) -> bytes:
 
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
-    """(width, height) from the file's header: Pillow's open decodes no pixels (the runtime does, once)."""
-    Image, _ = _pil()
+    """(width, height) from the file's header, in an accepted format (images.open_image: decided from the magic
+    number, so no other Pillow plugin sees the bytes; no pixel decoded: the runtime does that, once). The pixel
+    limit is checked by the caller, which answers 413 rather than the runtime's 400."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(io.BytesIO(data), where, max_pixels=sys.maxsize) as img:
             return img.size
-    except Image.UnidentifiedImageError:
-        raise ImageError(f"{where}: not an image (or in a format Pillow cannot read)") from None
-    except Image.DecompressionBombError as e:  # over twice Pillow's MAX_IMAGE_PIXELS: the runtime refuses it too
-        raise APIError(413, f"{where}: {' '.join(str(e).split())}", param=where, code="image_too_large") from None
+    except ImageError:
+        raise
     except Exception as e:  # a header cut short or damaged: SyntaxError, OSError, struct.error...
         detail = " ".join(str(e).split())
         raise ImageError(f"{where}: truncated or corrupt header ({type(e).__name__}: {detail})") from None
@@ -1072,7 +1071,7 @@ def serve(
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
     if remote_images:
         log.warning("--allow-remote-images: requests may make this server fetch http(s) URLs on public addresses")
-    model = load(bundle, backend=backend)
+    model = load(bundle, backend=backend, max_image_pixels=max_image_pixels)  # the runtime checks it again
     model.allow_special_tokens = allow_special_tokens
     model.use_drafts(draft_tokens)
     if prompt_cache:

@@ -15,6 +15,7 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .engine import Engine, HostTables
 from .host import dequantize_rows, quantize_rows, rope_tables
+from .images import MAX_PIXELS
 from .spec import ChunkPlan, ModelSpec
 
 FP32_MIN_TOP1, FP32_MIN_COSINE = 1.0, 0.9999
@@ -177,12 +178,14 @@ def verify_bundle(
     prompt_len: int | None = None,
     images: list = (),
     prompt_path: str = "all",
+    max_image_pixels: int = MAX_PIXELS,
 ) -> dict:
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
     sidecars, against transformers fed the same dequantised tables. With `images` (paths, bytes or PIL
     images), the prompt holds them too, spread through its text: their soft tokens come from the bundle's
     vision model, and the oracle is Gemma4ForConditionalGeneration fed the same images through transformers'
-    processor. `tokens` counts the text positions; every image adds its own.
+    processor. `tokens` counts the text positions; every image adds its own, each of at most `max_image_pixels`
+    (checked before ours or transformers' decodes it).
 
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
@@ -197,7 +200,10 @@ def verify_bundle(
     ckpt = Checkpoint(src)
     ckpt.validate()
     engine = open_engine(bundle, "mil", precision)
-    encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle)) if images else None
+    encoder = None
+    if images:
+        config = read_model_config(bundle)
+        encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", config, max_image_pixels)
     if images and encoder is None:
         raise ValueError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
     prompt_len = _prompt_len(prompt_len, tokens)

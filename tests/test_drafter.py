@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from margins import assert_argmax
 from safetensors.numpy import load_file, save_file
 
 from gemma_ane.assistant import (
@@ -248,13 +249,16 @@ def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
 def test_the_16bit_package_equals_transformers(bundle16, oracle):
     drafter, host = _open(bundle16)
     assert drafter.widths == {SLIDING: 48, FULL: CONTEXT}
+    clear = 0
     for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host):
         # Measured: carry within 0.52 % of its largest value, logits within 0.135 (range ~25; the head's
         # int8 rows included), the same scored ids and argmax everywhere.
         assert np.abs(carry - ref_carry).max() <= 0.01 * np.abs(ref_carry).max(), P
         assert set(proposal.ids.tolist()) == set(np.flatnonzero(logits > logits.min()).tolist()), P
         np.testing.assert_allclose(expand(proposal), logits, atol=0.25, err_msg=f"P={P}")
-        assert proposal.argmax() == int(logits.argmax()), P
+        # the argmax: equal unless transformers' top two are within 2 x 0.25 (the logits' bound just above)
+        clear += assert_argmax(proposal.argmax(), logits, 0.25, f"P={P}")
+    assert clear >= len(POSITIONS), clear  # of the 2 x len(POSITIONS) steps, enough had a clear choice
 
 
 def test_the_host_centroid_head_equals_transformers(bundle16, oracle, pair):
@@ -332,9 +336,9 @@ def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle1
         # are 0.025 apart
         assert np.abs(carry - ref_carry).max() <= 0.03 * np.abs(ref_carry).max(), P
         np.testing.assert_allclose(expand(proposal), logits, atol=0.25, err_msg=f"P={P}")
-        assert logits.max() - logits[proposal.argmax()] <= 0.25, P  # the same choice, or a near-tie
-        exact += proposal.argmax() == int(logits.argmax())
-    assert exact >= 2 * len(POSITIONS) - 1
+        # the same choice, or one of a near-tie (top two within 2 x 0.25, the logits' bound just above)
+        exact += assert_argmax(proposal.argmax(), logits, 0.25, f"P={P}")
+    assert exact >= len(POSITIONS), exact  # of the 2 x len(POSITIONS) steps, enough had a clear choice
     control = next(bursts(drafter, oracle, host))  # against the unquantised drafter: far off
     assert np.abs(control[2] - control[4]).max() > 0.1 * np.abs(control[4]).max()
 

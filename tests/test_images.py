@@ -176,10 +176,12 @@ def test_animations_are_refused(tmp_path):
     assert load_image(tmp_path / "still.gif").size == (8, 8)
 
 
-def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
+def test_pillows_bomb_limit_is_not_the_one_that_answers(tmp_path, monkeypatch):
+    """Our max_pixels decides, from the header: Pillow's global MAX_IMAGE_PIXELS is neither consulted nor needed."""
     Image.fromarray(noise(50, 50)).save(tmp_path / "bomb.png")
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses past twice this
-    one_line_error(tmp_path / "bomb.png", r"bomb.png: Image size \(2500 pixels\) exceeds limit of 2000 pixels")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow would refuse past twice this
+    assert load_image(tmp_path / "bomb.png").size == (50, 50)
+    one_line_error(tmp_path / "bomb.png", r"bomb.png: 50x50 pixels, more than the limit of 2499$", max_pixels=2499)
 
 
 def test_unsupported_budget():
@@ -206,3 +208,89 @@ def test_without_pillow_import_works_and_use_says_what_to_install():
     r = subprocess.run([sys.executable, "-c", WITHOUT_PILLOW], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == "image input needs Pillow: pip install 'gemma-ane[vision]'\n"
+
+
+EPS = b"""%!PS-Adobe-3.0 EPSF-3.0
+%%BoundingBox: 0 0 64 64
+%%EndComments
+newpath 0 0 moveto 64 64 lineto stroke
+showpage
+%%EOF
+"""
+
+
+def test_eps_is_refused_before_pillow_or_ghostscript_sees_it(tmp_path, monkeypatch):
+    """Pillow's EPS plugin runs Ghostscript on the file: the bytes are refused by their magic number, and neither
+    the plugin nor any program is reached (each records its call here instead of running)."""
+    from PIL import EpsImagePlugin
+
+    reached = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: reached.append("EpsImagePlugin"))
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: reached.append("Ghostscript"))
+    monkeypatch.setattr(subprocess, "check_call", lambda *a, **k: reached.append(("check_call", a)))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: reached.append(("Popen", a)))
+    (tmp_path / "x.eps").write_bytes(EPS)
+    refused = r"PostScript \(EPS\) is not an accepted image format \(PNG, JPEG, WebP, GIF, BMP or TIFF\)$"
+    one_line_error(tmp_path / "x.eps", rf"^image .*x.eps: {refused}")
+    one_line_error(EPS, rf"^messages\[0\].content\[1\]: {refused}", what="messages[0].content[1]")
+    binary = b"\xc5\xd0\xd3\xc6" + (30).to_bytes(4, "little") + len(EPS).to_bytes(4, "little") + bytes(18) + EPS
+    one_line_error(binary, rf"^image: {refused}")
+    assert reached == []
+
+
+def test_only_the_accepted_formats_are_read(tmp_path):
+    """Formats Pillow reads but the model does not need are refused from their first bytes, named when known."""
+    picture = Image.fromarray(noise(16, 16))
+    for name, found in [
+        ("x.ico", "ICO"),
+        ("x.ppm", r"Netpbm \(PPM/PGM/PBM\)"),
+        ("x.pdf", "PDF"),
+        ("x.jp2", "JPEG 2000"),
+        ("x.tga", None),
+        ("x.pcx", None),
+    ]:
+        try:
+            picture.save(tmp_path / name)
+        except OSError:  # this Pillow was built without the writer (JPEG 2000's openjpeg)
+            continue
+        want = f"{found} is not an accepted image format" if found else "not an image in an accepted format"
+        one_line_error(tmp_path / name, rf"{name}: {want} \(PNG, JPEG, WebP, GIF, BMP or TIFF\)$")
+    for fmt in ("png", "jpeg", "webp", "gif", "bmp", "tiff"):  # each accepted one still reads
+        picture.save(tmp_path / f"ok.{fmt}")
+        assert load_image(tmp_path / f"ok.{fmt}").size == (16, 16)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and IHDR claiming width x height (8-bit RGB), and a few bytes of IDAT: what a 685 KB
+    file of 13000 x 13000 pixels starts with, without its data."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(1000)))
+
+
+@pytest.mark.parametrize("side", [13000, 20000])  # past Pillow's bomb warning (89 MP), and its refusal (179 MP)
+def test_the_pixel_limit_answers_from_the_header(side):
+    """The size comes from the header and is refused before any pixel is decoded (the data here is cut short:
+    a decode would fail differently), by our limit, not by Pillow's decompression-bomb warning or error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one_line_error(png_header(side, side), rf"^image: {side}x{side} pixels, more than the limit of 40000000$")
+        one_line_error(png_header(side, side), r"more than the limit of 10$", max_pixels=10)
+        with pytest.raises(ImageError, match=r"^image: 200x200 pixels, more than the limit of 1000$"):
+            preprocess(png_header(200, 200), 70, max_pixels=1000)
+
+
+def test_the_pixel_limit_is_the_callers(tmp_path):
+    Image.fromarray(noise(20, 30)).save(tmp_path / "x.png")
+    assert load_image(tmp_path / "x.png", max_pixels=600).size == (30, 20)  # at the limit: taken
+    one_line_error(tmp_path / "x.png", r"x.png: 30x20 pixels, more than the limit of 599$", max_pixels=599)
+    lazy = Image.open(tmp_path / "x.png")  # a caller's PIL image, not decoded yet: checked before it is
+    one_line_error(lazy, r"^image: 30x20 pixels, more than the limit of 599$", max_pixels=599)
+    assert lazy.tile  # Pillow clears its tiles once it has decoded them

@@ -1,0 +1,59 @@
+"""Argmax comparisons between two computations of different precision (an fp16 bundle against transformers' fp32,
+4-bit weights against their float selves, the MIL executor against torch, a verify call against decode steps):
+equal where the reference's choice is clear, and where it is a near-tie, only as close as the precision allows.
+
+Why 2 x err: when every logit of ours is within `err` of the reference's, ours can rank token j above the
+reference's argmax i only if ref[i] - err <= ref[j] + err, that is, if the reference's top two are within 2 x err.
+So an argmax is asserted equal where the reference's top-1/top-2 margin exceeds 2 x err; below that either token
+is a right answer, and ours must still be one of the near-tied tokens (its reference logit within 2 x err of the
+top): a wrong logit row fails either way, a tie never does. A greedy sequence is compared up to the first step
+whose reference margin is a near-tie (after it, the two runs continue from different, equally valid tokens), and
+the caller states how many steps must have been compared for the test to mean something."""
+
+import numpy as np
+
+
+def _row(logits):
+    """A reference row as {token: logit}: a full logit vector, or a dict of the top few (logprobs differ from
+    logits by one constant a row, so their margins are the same)."""
+    if isinstance(logits, dict):
+        return {int(k): float(v) for k, v in logits.items()}
+    row = np.asarray(logits, np.float64).ravel()
+    top = np.argpartition(row, -2)[-2:]
+    return {int(t): float(row[t]) for t in top} | {"row": row}
+
+
+def margin(logits) -> float:
+    """The reference's top-1 minus top-2 logit."""
+    values = sorted((v for k, v in _row(logits).items() if k != "row"), reverse=True)
+    return values[0] - values[1]
+
+
+def assert_argmax(ours: int, ref_logits, err: float, where="") -> bool:
+    """`ours` (a token id) is the argmax of `ref_logits` when the reference's margin exceeds 2 x err, else one of
+    its near-tied tokens. Returns whether the comparison was an exact one (the margin was clear)."""
+    row = _row(ref_logits)
+    full = row.pop("row", None)
+    top = max(row, key=row.get)
+    m = margin(row)
+    if m > 2 * err:
+        assert ours == top, f"{where}: argmax {ours}, the reference's {top} (its margin {m:.4g} > 2 x {err})"
+        return True
+    # outside a dict's top few, ours is at most the last of them: tied only if even that one is in the window
+    mine = full[ours] if full is not None else row.get(ours, min(row.values()))
+    assert mine >= row[top] - 2 * err, f"{where}: {ours} is {row[top] - mine:.4g} below the reference's top ({top})"
+    return False
+
+
+def assert_greedy_prefix(ours, ref, ref_rows, err: float, min_steps: int, where="") -> int:
+    """Greedy sequences `ours` and `ref` equal up to the first step whose reference row (`ref_rows[i]`, the logits
+    the reference chose ref[i] from) is a near-tie, ours' token there one of the tied ones, and at least min_steps
+    steps compared. Returns the number compared."""
+    ours, ref = list(ours), list(ref)
+    n = min(len(ref), len(ref_rows))
+    tie = next((i for i in range(n) if margin(ref_rows[i]) <= 2 * err), n)
+    assert tie >= min_steps, f"{where}: a near-tie at step {tie}; the test needs {min_steps} clear steps"
+    assert ours[:tie] == ref[:tie], f"{where}: {ours[:tie]} != {ref[:tie]} (no near-tie before step {tie})"
+    if tie < min(len(ours), n):
+        assert_argmax(ours[tie], ref_rows[tie], err, f"{where} step {tie}")
+    return tie
