@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from . import grammar, prompt_cache
-from .backend import pick_backend
-from .bundle import BundleError, check_bundle, open_engine
+from .backend import open_engine, pick_backend
+from .bundle import BundleError, check_bundle
 from .chat import ChatTemplate, OutputParser, check_text, escape_content, escape_strings, unused_mark
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder

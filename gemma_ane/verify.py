@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
+from .bundle.tables import HostTables
 from .checkpoint import Checkpoint
-from .engine import Engine, HostTables
+from .engine import Engine
 from .host import dequantize_rows, quantize_rows, rope_tables
 from .spec import ChunkPlan, ModelSpec
 
@@ -187,7 +188,8 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
-    from .bundle import open_engine, read_model_config
+    from .backend import open_engine
+    from .bundle import read_model_config
     from .encoder import open_image_encoder
 
     if precision not in ("fp32", "fp16"):
