@@ -135,7 +135,7 @@ def verify_graph(
 ) -> dict:
     import torch
 
-    from .graph import TorchChunk, build_chunks
+    from .convert.models.text import TorchChunk, build_chunks
 
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")

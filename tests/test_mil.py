@@ -954,8 +954,8 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
     """The PyTorch chunk graph on the bundle's own host tables, optionally with replaced weights."""
     import torch
 
+    from gemma_ane.convert.models.text import TorchChunk, build_chunks
     from gemma_ane.engine import Engine
-    from gemma_ane.graph import TorchChunk, build_chunks
     from gemma_ane.spec import ChunkPlan
 
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8)
@@ -1068,7 +1068,7 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     import torch
 
     from gemma_ane.backend import open_engine
-    from gemma_ane.graph import build_chunks
+    from gemma_ane.convert.models.text import build_chunks
     from gemma_ane.spec import ChunkPlan
     from gemma_ane.verify import compare, random_ids, run_engine
 

@@ -7,6 +7,7 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..files import FileFormatError, read_json, sha256_file, tree_size
@@ -61,6 +62,16 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
             f"{p}: not listed in the manifest" for p in bundle_files(root) if p.relative_to(root) not in listed
         ]
     return problems
+
+
+def write_manifest(root: Path, header: dict) -> dict:
+    """ROOT/manifest.json: `header` (what the converter states: versions, source, options, plan), then every file
+    of the bundle (bundle_files) with its size and sha256, as check_manifest verifies them."""
+    root = Path(root)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in bundle_files(root)}
+    manifest = {**header, "files": files}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def prompt_paths(chunks: list[dict]) -> dict:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import Chunk, ChunkPlan, ModelSpec, kv_name
+from ...spec import Chunk, ChunkPlan, ModelSpec, kv_name
 
 
 class RMSNorm(nn.Module):
