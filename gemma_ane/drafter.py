@@ -73,7 +73,7 @@ class Drafter:
         need += ["carry_out", *(("centroid_scores", "hidden_out") if head else ("logits",))]
         missing = [n for n in need if n not in io["inputs"] and n not in io["outputs"]]
         if missing:
-            raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which model_config.json implies")
+            raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which {layout.MODEL_CONFIG} implies")
         self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
 
     def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:

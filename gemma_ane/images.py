@@ -41,7 +41,7 @@ class ImageError(ValueError):
     """An image that cannot be used; the message names the image and the problem, on one line."""
 
 
-def _pil():
+def pil():
     try:
         from PIL import Image, ImageOps
     except ImportError:
@@ -56,7 +56,7 @@ def _one_line(e: BaseException) -> str:
 def load_image(src, what: str = "image"):
     """`src` (a path, a file's bytes, or a PIL image) as an upright RGB PIL image; the module doc says how.
     Errors name `what`, and the path when there is one."""
-    Image, ImageOps = _pil()
+    Image, ImageOps = pil()
     is_path = isinstance(src, (str, os.PathLike))
     name = f"{what} {os.fspath(src)}" if is_path else what
     if not (is_path or isinstance(src, (bytes, bytearray, memoryview, Image.Image))):
@@ -159,7 +159,7 @@ def preprocess(image, max_soft_tokens: int = 280, patch_size: int = 16, pooling_
         raise ValueError(
             f"max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, not {max_soft_tokens}"
         )
-    Image, _ = _pil()
+    Image, _ = pil()
     img = load_image(image, what)
     h, w = target_size(img.height, img.width, max_soft_tokens, patch_size, pooling_kernel_size)
     pixels = np.asarray(img.resize((w, h), Image.Resampling.BICUBIC))  # Pillow returns a copy when sizes match

@@ -39,7 +39,7 @@ from pathlib import Path
 from . import grammar
 from .chat import ChatError
 from .engine import ContextOverflow
-from .images import ImageError, _pil, data_url_bytes
+from .images import ImageError, data_url_bytes, pil
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
 from .tools import ToolError, check_tool_choice, check_tools
@@ -386,7 +386,7 @@ def _fetch(url: str, where: str, max_bytes: int) -> bytes:
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
     """(width, height) from the file's header: Pillow's open decodes no pixels (the runtime does, once)."""
-    Image, _ = _pil()
+    Image, _ = pil()
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.size
