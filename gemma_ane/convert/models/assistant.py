@@ -25,7 +25,8 @@ from torch import nn
 from ...checkpoint import Checkpoint
 from ...spec import FULL, SLIDING, AssistantSpec, Chunk, kv_name
 from ..options import ConvertError
-from .text import MLP, Attention, RMSNorm
+from .ops import RMSNorm
+from .text import MLP, Attention
 
 FUNCTION = "draft"
 SHORT = {SLIDING: "s", FULL: "f"}  # the RoPE inputs' suffixes, as the chunks name them (cos_s, cos_f)

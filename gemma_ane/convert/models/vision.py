@@ -30,7 +30,7 @@ from torch import nn
 from ...checkpoint import Checkpoint, CheckpointError
 from ...spec import Chunk, Tensor, VisionSpec
 from ..options import ConvertError
-from .text import RMSNorm
+from .ops import RMSNorm
 
 FUNCTION = "encode"
 BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # Gemma4ClippableLinear's buffers
