@@ -1,7 +1,7 @@
 """Converted bundles are byte-identical to those recorded in tests/fixtures/bundle_hashes.json (every file's
-sha256, source paths aside: tests/bundle_hashes.py), so a refactor of the converter or of the bundle format cannot
-change what is published without a test saying so. Recorded on 70f4640, before the converter became convert/ and
-the format bundle/."""
+sha256; source paths, and what coremltools leaves to chance, put aside: tests/bundle_hashes.py), so a refactor of
+the converter or of the bundle format cannot change what is published without a test saying so. Recorded on
+70f4640, before the converter became convert/ and the format bundle/."""
 
 import json
 

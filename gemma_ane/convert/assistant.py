@@ -27,7 +27,7 @@ def producers(spec: AssistantSpec) -> dict[str, int]:
 
 
 def draft_io(spec: AssistantSpec, plan: ChunkPlan) -> Chunk:
-    """The drafter's package described as a chunk (what convert.trace_function reads): one stateless function
+    """The drafter's package described as a chunk (what coreml.trace_function reads): one stateless function
     `draft`, whose K/V inputs are exactly chunk_2's outputs of the same names (the ring is `plan.ring` slots)."""
     Hb = spec.backbone_hidden_size
     given = plan.chunks[1].functions["infer"]["outputs"]

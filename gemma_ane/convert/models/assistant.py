@@ -7,7 +7,7 @@ layers that own no K/V (each reads the target's producer cache of its type: chun
 final norm; then `carry_out` = post_projection(h) and the head. Module and parameter names follow the checkpoint
 (`model.layers.0.self_attn.q_proj.weight`), so loading is a state_dict copy.
 
-Shaped for the ANE as the chunks are (graph.py): static shapes, batch 1, T = 1; positions arrive as RoPE rows and
+Shaped for the ANE as the chunks are (models/text.py): static shapes, batch 1, T = 1; positions arrive as RoPE rows and
 additive masks, so nothing position-dependent is baked in; the producers' whole caches come in as inputs and the
 masks pick the rows (the sliding ring's W+1 newest positions, the full cache's 0..P-1), so there is no gather;
 every projection is an nn.Linear (palettizable). The centroid head (use_ordered_embeddings) is split: the centroid
@@ -88,7 +88,7 @@ class AssistantModel(nn.Module):
             self.lm_head = nn.Linear(Ha, spec.vocab_size, bias=False)  # tied: model.embed_tokens.weight
         self.use_function(FUNCTION)
 
-    def use_function(self, function: str) -> None:  # one function; convert.trace_function asks for it by name
+    def use_function(self, function: str) -> None:  # one function; coreml.trace_function asks for it by name
         io = self.chunk.functions[function]
         self.input_names, self.output_names = list(io["inputs"]), list(io["outputs"])
 

@@ -153,7 +153,7 @@ class EncoderLayer(nn.Module):
 
 
 def encode_io(spec: VisionSpec, image_tokens: int) -> Chunk:
-    """The package described as a chunk (what convert.trace_function reads): one stateless function `encode`."""
+    """The package described as a chunk (what coreml.trace_function reads): one stateless function `encode`."""
     N, D = image_tokens * spec.pooling_kernel_size**2, spec.head_dim
     ins = {
         "pixel_values": Tensor((1, N, 3 * spec.patch_size**2)),
@@ -187,7 +187,7 @@ class VisionModel(nn.Module):
         self.embed_vision.embedding_projection = nn.Linear(spec.hidden_size, spec.text_hidden_size, bias=False)
         self.use_function(FUNCTION)
 
-    def use_function(self, function: str) -> None:  # one function; convert.trace_function asks for it by name
+    def use_function(self, function: str) -> None:  # one function; coreml.trace_function asks for it by name
         self.input_names = list(self.chunk.functions[function]["inputs"])
 
     def forward(self, *inputs):
