@@ -44,7 +44,8 @@ def canonical(path: Path, bundle: Path) -> bytes:
     the order of Python's per-process string hashing: two conversions of one checkpoint differ there, and only
     there. So a package's Manifest.json is read as {item path: item} and its root item's path, a model.mlmodel
     is re-serialised with sorted maps (protobuf's deterministic mode), and the bundle's manifest.json keeps the
-    sizes of the files inside packages but not their hashes (those files are compared themselves)."""
+    names of the files it lists but not their sizes and hashes (each file is compared itself, and the model card
+    and model_config.json name the source)."""
     data = path.read_bytes()
     rel = path.relative_to(bundle)
     in_package = rel.parts[0].endswith(".mlpackage")
@@ -61,9 +62,7 @@ def canonical(path: Path, bundle: Path) -> bytes:
         return model.SerializeToString(deterministic=True)
     if rel == Path("manifest.json"):
         m = json.loads(data)
-        for name, entry in m["files"].items():
-            if Path(name).parts[0].endswith(".mlpackage"):
-                entry.pop("sha256")
+        m["files"] = sorted(m["files"])
         return (json.dumps(m, indent=2) + "\n").encode()
     return data
 
