@@ -69,10 +69,11 @@ def write_checkpoint(out: Path, quick: bool) -> None:
 def child(ckpt: str, out: str, bits: int) -> None:
     """One conversion; its figures as a JSON line on stdout."""
     from gemma_ane.audit import audit_package
+    from gemma_ane.bundle.layout import VISION_POSITION_TABLE
     from gemma_ane.convert import ConvertOptions, StageTimer
+    from gemma_ane.convert.vision import convert_vision
     from gemma_ane.files import tree_size
     from gemma_ane.package import Package, macs, weight_bytes
-    from gemma_ane.vision import TABLE_FILE, convert_vision
 
     timer, t0 = StageTimer(), time.perf_counter()
     Path(out).mkdir(parents=True)
@@ -82,7 +83,7 @@ def child(ckpt: str, out: str, bits: int) -> None:
         "stages": timer.seconds,
         "peak_rss": max(timer.peak_rss.values(), default=0),
         "size": tree_size(path),
-        "table": (Path(out) / TABLE_FILE).stat().st_size,
+        "table": (Path(out) / VISION_POSITION_TABLE).stat().st_size,
     }
     fn = Package.open(path).program().functions["encode"]
     audit = audit_package(path)
@@ -103,9 +104,9 @@ def test_image(ckpt: Path):
     """One 640x480 picture (smooth colour fields and noise) as `encode`'s inputs, and its Patches."""
     from PIL import Image
 
+    from gemma_ane.convert.vision import open_vision
     from gemma_ane.encoder import encoder_inputs
     from gemma_ane.images import preprocess
-    from gemma_ane.vision import open_vision
 
     spec, c = open_vision(ckpt, BUDGET)
     try:
@@ -124,7 +125,8 @@ def reference(ckpt: Path, path: Path) -> None:
     """The fp32 PyTorch model's soft tokens for test_image, saved for the executor runs to compare with."""
     import torch
 
-    from gemma_ane.vision import load_vision, open_vision
+    from gemma_ane.convert.models.vision import load_vision
+    from gemma_ane.convert.vision import open_vision
 
     inputs, p = test_image(ckpt)
     spec, c = open_vision(ckpt, BUDGET)

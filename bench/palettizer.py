@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 
-from gemma_ane.palettize import kmeans_lut, lut_to_dense, snr_db  # noqa: E402
+from gemma_ane.convert.palettize import kmeans_lut, lut_to_dense, snr_db  # noqa: E402
 
 # (name, [out, in], how many in E2B): layers 0-14 MLP 6144, 15-34 double-wide 12288
 E2B = [

@@ -17,7 +17,7 @@ from coremltools.converters.mil.mil import types
 from coremltools.converters.mil.mil.types.symbolic import any_symbolic
 
 from . import host
-from .bundle import chunk_paths
+from .bundle import chunk_paths, layout
 from .files import read_json
 from .package import Package
 
@@ -247,7 +247,7 @@ def audit_package(path: Path, built_with: str | None = None) -> dict:
 def audit_bundle(root: str | Path) -> dict:
     """Per chunk and function: findings and a verdict; the host's mask; one verdict for the bundle."""
     root = Path(root)
-    manifest = root / "manifest.json"
+    manifest = root / layout.MANIFEST
     built_with = read_json(manifest).get("converter", {}).get("coremltools") if manifest.is_file() else None
     chunks = []
     for path in chunk_paths(root):

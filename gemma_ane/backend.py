@@ -19,13 +19,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .bundle import BundleError
-from .engine import FunctionUnavailable
-from .files import read_json
-from .package import Package
-
-# An interface: {"inputs": {...}, "outputs": {...}, "states": {...}}, each name -> {"shape": [..], "dtype": "float16"}
-Interface = dict
+from .bundle import layout
+from .bundle.check import chunk_paths
+from .bundle.errors import BundleError
+from .bundle.interfaces import Interface, one_function_interfaces, read_interfaces
+from .bundle.schema import read_model_config
+from .bundle.tables import check_norm_sidecar, check_rope, load_host
+from .engine import Engine, FunctionUnavailable
 
 BACKENDS = ("auto", "coreml", "mil")
 COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
@@ -217,75 +217,12 @@ def open_one_function(
 ):
     """A bundle's one-function model `name` (assistant, vision), as its .mlpackage or compiled .mlmodelc, run by
     the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
-    found = [p for p in (root / f"{name}.mlpackage", root / f"{name}.mlmodelc") if p.exists()]
+    found = layout.model_paths(root, name)
     if not found:
-        raise BundleError(f"{root / (name + '.mlpackage')}: missing (model_config.json states {what})")
+        raise BundleError(f"{layout.package_path(root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
     if pick_backend(backend) == "mil":
         return MILBackend(found[0], precision)
     return CoreMLFunction(found[0], name, compute_units, one_function_interfaces(found[0], name, function))
-
-
-def one_function_interfaces(path: Path, name: str, function: str) -> dict[str, Interface]:
-    """A package states its interface; a compiled one cannot be read back: manifest.json's entry `name` states
-    it (stateless)."""
-    if path.suffix == ".mlpackage":
-        return read_interfaces(path)
-    manifest = path.parent / "manifest.json"
-    functions = (read_json(manifest) if manifest.is_file() else {}).get(name, {}).get("functions")
-    if not isinstance(functions, dict) or function not in functions:
-        raise BundleError(f"{path}: compiled, and manifest.json states no interface for its {function!r} function")
-    return {f: {**io, "states": {}} for f, io in functions.items()}
-
-
-def read_interfaces(path: Path) -> dict[str, Interface]:
-    """Every function's interface, default first, from the package's own model description. A
-    compiled .mlmodelc cannot be read back, so its interfaces come from what the bundle states."""
-    path = Path(path)
-    if path.suffix == ".mlmodelc":
-        return stated_interfaces(path)
-    package = Package.open(path)
-    names = [package.default_function] + [f for f in package.function_names if f != package.default_function]
-    return {f: package.interface(f) for f in names}
-
-
-def stated_interfaces(path: Path) -> dict[str, Interface]:
-    """A compiled chunk's interfaces as its bundle states them (CONTRACT §2-3): the plan recorded in
-    manifest.json at conversion, or, for the published layout (no manifest), the plan its configs imply."""
-    root, name = path.parent, path.name.split(".")[0]
-    if (root / "manifest.json").is_file():
-        chunks = read_json(root / "manifest.json").get("plan", {}).get("chunks", [])
-        where = "manifest.json plan"
-    else:
-        chunks = published_plan(root).to_json()["chunks"]
-        where = "the published layout's plan (hf_model/config.json, model_config.json)"
-    chunk = next((c for c in chunks if isinstance(c, dict) and c.get("name") == name), None)
-    if chunk is None or not isinstance(chunk.get("functions"), dict) or "infer" not in chunk["functions"]:
-        raise BackendError(f"{path}: {where} states no interface with an infer function for {name}")
-    states = chunk.get("states", {})
-    return {
-        f: {"inputs": io["inputs"], "outputs": io["outputs"], "states": states} for f, io in chunk["functions"].items()
-    }
-
-
-def published_plan(root: Path):
-    """The chunk plan of a published-layout bundle: its model config's context, the default split
-    and prefill batch, the argmax head, no KV-only prefill."""
-    from .spec import ChunkPlan, ConfigError, ModelSpec
-
-    try:
-        spec = ModelSpec.from_pretrained(root / "hf_model" / "config.json")
-        config = read_json(root / "model_config.json")
-        split = tuple(config["split"]) if "split" in config else None
-        return ChunkPlan.build(
-            spec,
-            int(config["context_length"]),
-            int(config.get("prefill_batch", 8)),
-            split,
-            head=config.get("head", "token_id"),
-            kv_batches=(),
-        )
-    except (ConfigError, KeyError, TypeError, ValueError, OSError) as e:
-        raise BackendError(f"{root}: cannot derive the compiled chunks' interfaces ({e})") from None
 
 
 def pick_backend(backend: str) -> str:
@@ -307,3 +244,26 @@ def open_chunks(
     if backend == "mil":
         return [MILBackend(p, precision) for p in paths]
     return [CoreMLBackend(p, compute_units) for p in paths]
+
+
+def open_engine(
+    root: str | Path,
+    backend: str = "mil",
+    precision: str = "fp16",
+    compute_units: str = "cpu_and_ne",
+    logits_dtype=np.float32,
+    exact_rope: bool = True,
+) -> Engine:
+    """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
+    sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
+    read off the models themselves, so bundles converted elsewhere open too."""
+    root = Path(root)
+    config = read_model_config(root)
+    check_norm_sidecar(root, config)
+    chunks = open_chunks(chunk_paths(root), pick_backend(backend), precision, compute_units)
+    if len(chunks) != 3:
+        raise BundleError(f"{root}: expected chunk_1..chunk_3, found {len(chunks)} chunks")
+    # a ring padded for verify batches is wider than the window, which only the config states
+    engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+    check_rope(root, engine.host, engine.context, exact_rope)
+    return engine

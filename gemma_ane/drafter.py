@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .backend import open_one_function
-from .bundle import BundleError, RowTable, _small
-from .engine import HostTables
+from .bundle import BundleError, layout
+from .bundle.tables import HostTables, RowTable, read_small
 from .host import full_mask, sliding_mask
 from .sampling import Proposal
 from .spec import FULL, SLIDING, kv_name
@@ -73,7 +73,7 @@ class Drafter:
         need += ["carry_out", *(("centroid_scores", "hidden_out") if head else ("logits",))]
         missing = [n for n in need if n not in io["inputs"] and n not in io["outputs"]]
         if missing:
-            raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which model_config.json implies")
+            raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which {layout.MODEL_CONFIG} implies")
         self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
 
     def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:
@@ -111,10 +111,10 @@ def open_drafter(
     head = None
     if a["num_centroids"]:
         V, Ha = config["vocab_size"], a["hidden_size"]
-        ordering = _small(root / "assistant_token_ordering.bin", "<i4", (V,))
+        ordering = read_small(root / layout.ASSISTANT_TOKEN_ORDERING, "<i4", (V,))
         if not np.array_equal(np.sort(ordering), np.arange(V)):
-            raise BundleError(f"{root / 'assistant_token_ordering.bin'}: not a permutation of the {V} token ids")
-        scales = _small(root / "assistant_embed_scales.bin", "<f2", (V,)).astype(np.float32) / 127
-        rows = RowTable(root / "assistant_embed_q8.bin", np.int8, (V, Ha))
+            raise BundleError(f"{root / layout.ASSISTANT_TOKEN_ORDERING}: not a permutation of the {V} token ids")
+        scales = read_small(root / layout.ASSISTANT_EMBED_SCALES, "<f2", (V,)).astype(np.float32) / 127
+        rows = RowTable(root / layout.ASSISTANT_EMBED_Q8, np.int8, (V, Ha))
         head = CentroidHead(rows, scales, ordering, a["num_centroids"], a["centroid_top_k"])
     return Drafter(package, host, config, head)

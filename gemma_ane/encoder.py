@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from .backend import open_one_function
-from .bundle import BundleError, _load_npy
+from .bundle import BundleError, load_npy
 from .engine import ContextOverflow
 from .host import MASK_BLOCKED
 from .images import MAX_PIXELS, ImageError, Patches, data_url_bytes, load_image, preprocess
@@ -224,7 +224,7 @@ def open_image_encoder(
     root = Path(root)
     package = open_one_function(root, "vision", FUNCTION, "a vision model", backend, precision, compute_units)
     path = root / entry["position_table"]
-    table = _load_npy(path)
+    table = load_npy(path)
     width = package.interfaces[FUNCTION]["inputs"]["position_embeddings"]["shape"][-1]
     need = (2, entry["image_tokens"] * entry["pooling_kernel_size"], width)
     if table.shape != need:

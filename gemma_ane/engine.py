@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .host import dequantize_rows, full_mask, kv_sliding_mask, sliding_mask
+from .bundle.tables import HostTables
+from .host import full_mask, kv_sliding_mask, sliding_mask
 from .spec import FULL, SLIDING
 from .tokens import PAD
 
@@ -35,33 +36,6 @@ class FunctionUnavailable(RuntimeError):
 class NonFiniteOutput(RuntimeError):
     """chunk_3's logits hold NaN or inf: damaged weights (a greedy argmax of NaNs would silently
     pick token 0). Not a ValueError: the bundle is at fault, not the request."""
-
-
-@dataclass
-class HostTables:
-    """Everything the host contributes to a step: int8 tables (arrays or row readers) and RoPE rows."""
-
-    embed_q: np.ndarray  # int8 [V, H]
-    embed_scales: np.ndarray  # fp16 [V]
-    ple_q: np.ndarray  # int8 [V, L*P]
-    ple_scales: np.ndarray  # fp16 [V]
-    embed_scale: float
-    per_layer_embed_scale: float
-    rope: dict  # layer type -> (cos [rows, D], sin [rows, D])
-
-    def embed(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(hidden_states (1,T,H), per_layer_raw (1,T,L*P)) in float32; only these rows are read."""
-        ids = np.asarray(ids, dtype=np.int64)
-        h = dequantize_rows(self.embed_q[ids], self.embed_scales[ids], self.embed_scale)
-        ple = dequantize_rows(self.ple_q[ids], self.ple_scales[ids], self.per_layer_embed_scale)
-        return h[None], ple[None]
-
-    def rope_rows(self, layer_type: str, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
-        cos, sin = self.rope[layer_type]
-        return (
-            np.asarray(cos[p0 : p0 + T], np.float32)[None, None],
-            np.asarray(sin[p0 : p0 + T], np.float32)[None, None],
-        )
 
 
 RING = "kv_cache_sliding"  # CONTRACT §3: the sliding caches, rings of `window` slots

@@ -78,7 +78,7 @@ class ImageError(ValueError):
     """An image that cannot be used; the message names the image and the problem, on one line."""
 
 
-def _pil():
+def pil():
     try:
         from PIL import Image, ImageOps
     except ImportError:
@@ -111,7 +111,7 @@ def image_format(head: bytes, name: str = "image") -> str:
 def open_image(fp, name: str = "image", max_pixels: int = MAX_PIXELS):
     """The file `fp` (a binary stream at its start) opened lazily as a PIL image, no pixel decoded yet: its format
     from its magic number, its size within max_pixels from its header."""
-    Image, _ = _pil()
+    Image, _ = pil()
     fmt = image_format(fp.read(16), name)
     fp.seek(0)
     Image.init()
@@ -132,7 +132,7 @@ def _check_pixels(img, name: str, max_pixels: int) -> None:
 def load_image(src, what: str = "image", max_pixels: int = MAX_PIXELS):
     """`src` (a path, a file's bytes, or a PIL image) as an upright RGB PIL image; the module doc says how.
     Errors name `what`, and the path when there is one."""
-    Image, ImageOps = _pil()
+    Image, ImageOps = pil()
     is_path = isinstance(src, (str, os.PathLike))
     name = f"{what} {os.fspath(src)}" if is_path else what
     if not (is_path or isinstance(src, (bytes, bytearray, memoryview, Image.Image))):
@@ -247,7 +247,7 @@ def preprocess(
         raise ValueError(
             f"max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, not {max_soft_tokens}"
         )
-    Image, _ = _pil()
+    Image, _ = pil()
     img = load_image(image, what, max_pixels)
     h, w = target_size(img.height, img.width, max_soft_tokens, patch_size, pooling_kernel_size)
     pixels = np.asarray(img.resize((w, h), Image.Resampling.BICUBIC))  # Pillow returns a copy when sizes match

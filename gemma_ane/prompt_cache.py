@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bundle import layout
 from .encoder import IDENTITY_BYTES, KEY_BITS, NUMBER_BITS, identity_of, image_number, key_number
 from .engine import RING, Engine
 from .files import write_atomic
@@ -52,10 +53,10 @@ def fingerprint(root: Path) -> str:
     else the chunks' and sidecars' names and sizes (the published layout has no manifest)."""
     root = Path(root)
     h = hashlib.sha256()
-    if (root / "manifest.json").is_file():
-        h.update((root / "manifest.json").read_bytes())
+    if (root / layout.MANIFEST).is_file():
+        h.update((root / layout.MANIFEST).read_bytes())
     else:
-        for f in sorted(p for p in root.rglob("*") if p.is_file() and "hf_model" not in p.parts):
+        for f in sorted(p for p in root.rglob("*") if p.is_file() and layout.HF_DIR not in p.parts):
             h.update(f"{f.relative_to(root)}:{f.stat().st_size}\n".encode())
     return h.hexdigest()[:32]
 

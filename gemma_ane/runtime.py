@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from . import grammar, prompt_cache
-from .backend import pick_backend
-from .bundle import BundleError, check_bundle, open_engine
+from .backend import open_engine, pick_backend
+from .bundle import BundleError, check_bundle, layout
 from .chat import (
     ChatTemplate,
     OutputParser,
@@ -453,7 +453,7 @@ class Model:
             return None
         if self.head != "logits":
             raise ValueError("this bundle's chunk_3 returns only the argmax token: constrained decoding needs logits")
-        tokenizer = self.root / "hf_model" / "tokenizer.json"
+        tokenizer = self.root / layout.HF_TOKENIZER
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
     def _allowed_pick(self, sampler: Sampler, logits, rule: _Rule) -> int:
@@ -572,13 +572,13 @@ def load(
     backend = pick_backend(backend)
     # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
     engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
-    tokenizer = Tokenizer.from_file(str(root / "hf_model" / "tokenizer.json"))
-    gen_path = root / "hf_model" / "generation_config.json"
+    tokenizer = Tokenizer.from_file(str(root / layout.HF_TOKENIZER))
+    gen_path = root / layout.HF_GENERATION_CONFIG
     generation = read_json(gen_path) if gen_path.is_file() else {}
-    config = read_json(root / "model_config.json")
+    config = read_json(root / layout.MODEL_CONFIG)
     drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
     images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
-    return Model(root, engine, tokenizer, _template(root / "hf_model"), generation, config, backend, drafter, images)
+    return Model(root, engine, tokenizer, _template(root / layout.HF_DIR), generation, config, backend, drafter, images)
 
 
 def _template(hf: Path) -> ChatTemplate:

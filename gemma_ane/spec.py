@@ -1,4 +1,5 @@
-"""What the model is (ModelSpec), its drafter (AssistantSpec), and how it is cut into Core ML chunks (ChunkPlan).
+"""What the model is (ModelSpec), its drafter (AssistantSpec), its vision tower (VisionSpec), and how it is cut
+into Core ML chunks (ChunkPlan).
 
 All are plain data derived from a Hugging Face config.json: no torch, no transformers, so the
 runtime can use them too. Every rule here mirrors `transformers.models.gemma4` (5.24); where a
@@ -568,6 +569,68 @@ class Chunk:
 
 def kv_name(layer: int, which: str) -> str:
     return f"kv{layer}_{which}"
+
+
+VISION_TOKEN_IDS = {"boi_token_id": 255999, "image_token_id": 258880, "eoi_token_id": 258882}  # transformers' defaults
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the graph needs of config.json's `vision_config` (and the text width it projects into)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    clipped: bool  # use_clipped_linears: each encoder projection clamps its input and output
+    rope_theta: float
+    rms_norm_eps: float
+    text_hidden_size: int
+    token_ids: tuple[int, int, int]  # begin-of-image, the placeholder, end-of-image (config.json's)
+
+    @classmethod
+    def from_config(cls, config: dict) -> VisionSpec | None:
+        """From a multimodal config.json (None without a vision tower); refuses, naming the field, what the graph
+        cannot express."""
+        v = config.get("vision_config")
+        if not v:
+            return None
+        try:
+            spec = cls(
+                hidden_size=v["hidden_size"],
+                intermediate_size=v["intermediate_size"],
+                num_layers=v["num_hidden_layers"],
+                num_heads=v["num_attention_heads"],
+                head_dim=v["head_dim"],
+                patch_size=v["patch_size"],
+                pooling_kernel_size=v["pooling_kernel_size"],
+                position_embedding_size=v["position_embedding_size"],
+                clipped=bool(v.get("use_clipped_linears", False)),
+                rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 100.0)),
+                rms_norm_eps=v["rms_norm_eps"],
+                text_hidden_size=config["text_config"]["hidden_size"],
+                token_ids=tuple(config.get(k, d) for k, d in VISION_TOKEN_IDS.items()),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json: vision_config has no {e.args[0]}") from None
+        refuse = {
+            "num_key_value_heads": v.get("num_key_value_heads", spec.num_heads) != spec.num_heads,
+            "standardize": bool(v.get("standardize")),
+            "hidden_activation": v.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+            "head_dim": spec.head_dim % 4 != 0,  # axial RoPE: two halves, each rotated half against half
+        }
+        for name, bad in refuse.items():
+            if bad:
+                raise ConfigError(f"config.json: vision_config.{name} = {v.get(name)!r} is not supported")
+        return spec
+
+    def max_position(self, image_tokens: int) -> int:
+        """Patches per side an image can have at this budget: a side is at most `image_tokens` pooling cells."""
+        return image_tokens * self.pooling_kernel_size
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
+from .bundle.tables import HostTables
 from .checkpoint import Checkpoint
-from .engine import Engine, HostTables
+from .engine import Engine
 from .host import dequantize_rows, quantize_rows, rope_tables
 from .images import MAX_PIXELS
 from .spec import ChunkPlan, ModelSpec
@@ -135,7 +136,7 @@ def verify_graph(
 ) -> dict:
     import torch
 
-    from .graph import TorchChunk, build_chunks
+    from .convert.models.text import TorchChunk, build_chunks
 
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
@@ -190,7 +191,8 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
-    from .bundle import open_engine, read_model_config
+    from .backend import open_engine
+    from .bundle import read_model_config
     from .encoder import open_image_encoder
 
     if precision not in ("fp32", "fp16"):

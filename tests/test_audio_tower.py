@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gemma_ane import audio
-from gemma_ane.audio_tower import (
+from gemma_ane.convert.models.audio import (
     AudioModel,
     AudioSpec,
     AudioTowerError,

@@ -358,8 +358,8 @@ def test_a_signal_during_convert_leaves_nothing_behind(signum, tiny_e2b, tmp_pat
 def test_a_signal_a_library_swallows_still_stops_the_conversion(capsys, tiny_e2b, tmp_path, monkeypatch, stage):
     """A bare `except:` in a library can swallow the exception a signal handler raises; the signal is
     remembered, and the next stage, or at the latest publishing the bundle, ends the conversion."""
-    from gemma_ane import convert as convert_mod
     from gemma_ane import files
+    from gemma_ane.convert import coreml as convert_mod
 
     monkeypatch.setattr(files, "_received", [])
 
@@ -384,7 +384,7 @@ def test_temporary_packages_live_in_the_partial_bundle(capsys, tiny_e2b, tmp_pat
     package as coremltools does, then Ctrl-C arrives."""
     import tempfile
 
-    from gemma_ane import convert as convert_mod
+    from gemma_ane.convert import coreml as convert_mod
 
     made = []
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma_ane.convert import ConvertError, ConvertOptions, convert
+from gemma_ane.convert import ConvertError, ConvertOptions, StageTimer, convert
 from gemma_ane.spec import FULL, SLIDING, ChunkPlan, ModelSpec
 
 CONTEXT = 128
@@ -328,9 +328,9 @@ def test_functions_reference_the_same_weight_blobs(bundle, plan):
 def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_e2b, tmp_path):
     import torch
 
-    from gemma_ane import convert as convert_mod
     from gemma_ane.checkpoint import Checkpoint
-    from gemma_ane.graph import load_chunk
+    from gemma_ane.convert import coreml as convert_mod
+    from gemma_ane.convert.models.text import load_chunk
 
     # chunk_2 is the largest multifunction chunk of the tiny model
     chunk = plan.chunks[1]
@@ -338,7 +338,7 @@ def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_
     try:
         model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)  # as convert() does
         mlmodel = convert_mod.convert_function(
-            model, chunk, "infer", ConvertOptions(context=CONTEXT, bits=4), {}, convert_mod.StageTimer()
+            model, chunk, "infer", ConvertOptions(context=CONTEXT, bits=4), {}, StageTimer()
         )
     finally:
         ckpt.close()
@@ -364,7 +364,7 @@ def test_convert_function_works_on_its_own(plan, tiny_e2b, tmp_path):
 import torch
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
-from gemma_ane.graph import load_chunk
+from gemma_ane.convert.models.text import load_chunk
 from gemma_ane.spec import ChunkPlan
 ckpt = Checkpoint({str(tiny_e2b)!r})
 plan = ChunkPlan.build(ckpt.spec, {CONTEXT})
@@ -665,7 +665,7 @@ def test_bundle_is_readable_by_others(bundle16):
 
 @pytest.mark.slow
 def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
-    from gemma_ane import convert as convert_mod
+    from gemma_ane.convert import coreml as convert_mod
 
     def failing_merge(paths, out):  # after chunk_1's functions are written
         raise RuntimeError("injected failure in merge")
@@ -680,7 +680,7 @@ def test_failed_conversion_leaves_no_out(tiny_e2b, tmp_path, monkeypatch):
 
 
 def test_interrupted_conversion_leaves_no_out_and_keeps_an_old_one(tiny_e2b, tmp_path, monkeypatch):
-    from gemma_ane import convert as convert_mod
+    from gemma_ane.convert import coreml as convert_mod
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -1001,14 +1001,29 @@ def test_vision_flags_reach_the_options(capsys, tiny_e2b, tmp_path, monkeypatch)
 
 def test_a_vision_config_without_tower_weights_converts_text_only(capsys, tiny_e2b, edited_ckpt):
     """A text-only export that kept the multimodal config.json: no vision model, and a note saying why."""
-    from gemma_ane.convert import _check_vision
+    from gemma_ane.convert.vision import VisionComponent
 
     options = ConvertOptions(context=CONTEXT)
-    assert _check_vision(options, tiny_e2b)["name"] == "vision"
-    assert _check_vision(ConvertOptions(context=CONTEXT, vision=False), tiny_e2b) is None
+    assert VisionComponent.find(options, tiny_e2b).name == "vision"
+    assert VisionComponent.find(ConvertOptions(context=CONTEXT, vision=False), tiny_e2b) is None
     text_only = edited_ckpt(edit_tensor=lambda t: [t.pop(k) for k in [k for k in t if "vision" in k]])
     capsys.readouterr()
-    assert _check_vision(options, text_only) is None
+    assert VisionComponent.find(options, text_only) is None
     assert (
         "config.json states a vision tower but the weights hold none; converting text only" in capsys.readouterr().out
     )
+
+
+def test_media_token_ids_past_the_vocabulary_are_refused_before_converting(capsys, tiny_e2b, tmp_path):
+    """A config.json whose media token ids lie past the text vocabulary would make a bundle `load` refuses
+    (model_config.json's vision entry): conversion refuses it first, naming the field, and writes nothing."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_e2b, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["boi_token_id"] = cfg["text_config"]["vocab_size"] + 7
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--context", CONTEXT, "--bits", 16, "--quiet")
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"vision.boi_token_id={cfg['boi_token_id']}: expected a token id below vocab_size" in err
+    assert "--no-vision converts text only" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -7,7 +7,7 @@ import torch
 
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
-from gemma_ane.graph import load_chunk
+from gemma_ane.convert.models.text import load_chunk
 from gemma_ane.host import MASK_BLOCKED
 from gemma_ane.mil import MILModel
 from gemma_ane.package import Package

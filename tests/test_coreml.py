@@ -22,6 +22,7 @@ from coremltools.models.model import MLState
 
 import gemma_ane
 from gemma_ane.backend import BackendError, CoreMLBackend, pick_backend
+from gemma_ane.bundle import BundleError
 from gemma_ane.host import full_mask, sliding_mask
 from gemma_ane.mil import MILPackage
 from gemma_ane.package import Package
@@ -389,7 +390,7 @@ def test_a_compiled_chunk_the_bundle_states_nothing_about_is_one_line(compiled_b
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["plan"]["chunks"] = [c for c in manifest["plan"]["chunks"] if c["name"] != "chunk_2"]
     (bundle / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BackendError) as e:
+    with pytest.raises(BundleError) as e:
         gemma_ane.load(bundle, backend="coreml")
     assert "chunk_2.mlmodelc: manifest.json plan states no interface" in str(e.value)
     assert "\n" not in str(e.value)

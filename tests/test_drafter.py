@@ -19,18 +19,12 @@ import torch
 from margins import assert_argmax
 from safetensors.numpy import load_file, save_file
 
-from gemma_ane.assistant import (
-    AssistantModel,
-    config_entry,
-    convert_assistant,
-    draft_io,
-    load_assistant,
-    open_assistant,
-)
 from gemma_ane.bundle import BundleError, RowTable, check_bundle, load_host, read_model_config
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.cli import main
 from gemma_ane.convert import ConvertOptions, StageTimer
+from gemma_ane.convert.assistant import config_entry, convert_assistant, draft_io, open_assistant
+from gemma_ane.convert.models.assistant import AssistantModel, load_assistant
 from gemma_ane.drafter import CentroidHead, Drafter, open_drafter
 from gemma_ane.engine import FunctionUnavailable, HostTables
 from gemma_ane.host import quantize_rows, rope_tables

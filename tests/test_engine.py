@@ -210,7 +210,7 @@ def test_every_backend_meets_the_chunk_backend_contract():
     import inspect
 
     from gemma_ane.backend import ChunkBackend, CoreMLBackend, MILBackend
-    from gemma_ane.graph import TorchChunk
+    from gemma_ane.convert.models.text import TorchChunk
 
     for name in ("load", "make_state", "predict"):
         want = list(inspect.signature(getattr(ChunkBackend, name)).parameters)

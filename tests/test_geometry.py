@@ -73,7 +73,7 @@ def test_bundle_tracks_transformers_across_the_ring(narrow):
 def test_kv_only_prefill_past_the_window(narrow):
     """A 1040-token prompt through KV-only prefill (no logits, the ring overwritten by whole
     batches), then decode to 1100: the first logits it gives and every one after match transformers."""
-    from gemma_ane.bundle import open_engine
+    from gemma_ane.backend import open_engine
 
     src, bundle = narrow
     ckpt = Checkpoint(src)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.convert.models.ops import RMSNorm
+from gemma_ane.convert.models.text import TorchChunk, build_chunks
 from gemma_ane.engine import Engine
-from gemma_ane.graph import RMSNorm, TorchChunk, build_chunks
 from gemma_ane.spec import ChunkPlan
 from gemma_ane.verify import (
     FP16_MIN_COSINE,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import gemma_ane
-from gemma_ane.bundle import inspect_bundle, open_engine
+from gemma_ane.backend import open_engine
+from gemma_ane.bundle import inspect_bundle
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.verify import oracle_model, random_ids

@@ -954,8 +954,8 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
     """The PyTorch chunk graph on the bundle's own host tables, optionally with replaced weights."""
     import torch
 
+    from gemma_ane.convert.models.text import TorchChunk, build_chunks
     from gemma_ane.engine import Engine
-    from gemma_ane.graph import TorchChunk, build_chunks
     from gemma_ane.spec import ChunkPlan
 
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8)
@@ -982,7 +982,7 @@ def test_bundle_default_function_is_infer(bundle16):
 def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt):
     import torch
 
-    from gemma_ane.bundle import open_engine
+    from gemma_ane.backend import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
     engine = open_engine(bundle16, "mil", "fp16")
@@ -1028,7 +1028,7 @@ def test_gqa_bundle_matches_the_graph_and_transformers(gqa16, tiny_gqa):
     # matmul), K=V full layers, a window of 8 that equals the prefill batch.
     import torch
 
-    from gemma_ane.bundle import open_engine
+    from gemma_ane.backend import open_engine
     from gemma_ane.checkpoint import Checkpoint
     from gemma_ane.verify import compare, random_ids, run_engine, verify_bundle
 
@@ -1067,8 +1067,8 @@ def _dequantised_linear_weights(package: Path, function: str = "infer") -> dict:
 def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle4, ckpt):
     import torch
 
-    from gemma_ane.bundle import open_engine
-    from gemma_ane.graph import build_chunks
+    from gemma_ane.backend import open_engine
+    from gemma_ane.convert.models.text import build_chunks
     from gemma_ane.spec import ChunkPlan
     from gemma_ane.verify import compare, random_ids, run_engine
 
@@ -1116,7 +1116,7 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
 # (the torch graph's own prefill-vs-infer gap in fp16 is the same size: 0.99993).
 @pytest.mark.parametrize("precision,min_cosine,cache_atol", [("fp32", 0.999999, 1e-3), ("fp16", 0.999, 3e-2)])
 def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol):
-    from gemma_ane.bundle import open_engine
+    from gemma_ane.backend import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
     batched, single = open_engine(bundle16, "mil", precision), open_engine(bundle16, "mil", precision)
@@ -1158,7 +1158,7 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
 def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
     # chunk_2 returns whole caches (kv{p}_k / kv{p}_v). A runtime may keep them (e.g. to run
     # chunk_3 for an earlier row later); outputs that are views of the state would change under it.
-    from gemma_ane.bundle import open_engine
+    from gemma_ane.backend import open_engine
     from gemma_ane.verify import random_ids
 
     engine = open_engine(bundle16, "mil", "fp16")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gemma_ane.palettize import kmeans_lut, lut_to_dense, snr_db
+from gemma_ane.convert.palettize import kmeans_lut, lut_to_dense, snr_db
 
 
 def coremltools_kmeans(w: np.ndarray, nbits: int, group_size: int) -> np.ndarray:

@@ -16,8 +16,8 @@ import torch
 from tokenizers import Tokenizer
 
 from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.convert.models.text import TorchChunk, build_chunks
 from gemma_ane.engine import Engine, FunctionUnavailable
-from gemma_ane.graph import TorchChunk, build_chunks
 from gemma_ane.runtime import Model, _template
 from gemma_ane.sampling import BAN, Proposal
 from gemma_ane.spec import ChunkPlan, ConfigError, ring_slots

@@ -11,21 +11,15 @@ from PIL import Image
 
 from gemma_ane.audit import FUNCTION_CHECKS
 from gemma_ane.backend import MILBackend
+from gemma_ane.bundle.layout import VISION_POSITION_TABLE
 from gemma_ane.convert import ConvertError, ConvertOptions, StageTimer
+from gemma_ane.convert.models.vision import BOUNDS, FUNCTION, encode_io, load_vision
+from gemma_ane.convert.vision import convert_vision, open_vision
 from gemma_ane.encoder import encoder_inputs
 from gemma_ane.images import preprocess
 from gemma_ane.package import Package
+from gemma_ane.spec import ConfigError, VisionSpec
 from gemma_ane.tiny import VISION, _randomize, _randomize_vision, _save, checkpoint_dir, text_config
-from gemma_ane.vision import (
-    BOUNDS,
-    FUNCTION,
-    TABLE_FILE,
-    VisionSpec,
-    convert_vision,
-    encode_io,
-    load_vision,
-    open_vision,
-)
 
 BUDGET, K, PATCH = 70, 3, VISION["patch_size"]
 SIZES = [(37, 50), (120, 40), (64, 64), (30, 90), (9, 20), (200, 48)]  # (height, width): 4:3 ... 1:4, upscaled
@@ -143,7 +137,7 @@ def test_refuses_what_it_cannot_convert(ckpt, tmp_path):
     assert VisionSpec.from_config({**config, "vision_config": None}) is None
     for field, value in (("standardize", True), ("num_key_value_heads", 2), ("hidden_activation", "gelu")):
         bad = {**config, "vision_config": {**config["vision_config"], field: value}}
-        with pytest.raises(ConvertError, match=f"vision_config.{field} = .* is not supported"):
+        with pytest.raises(ConfigError, match=f"vision_config.{field} = .* is not supported"):
             VisionSpec.from_config(bad)
 
 
@@ -190,7 +184,7 @@ def test_package_interface_and_position_sidecar(spec_table, vision16):
     fn = Package.open(vision16).program().functions[FUNCTION]
     hits = [(rule, *hit) for rule, check in FUNCTION_CHECKS.items() if rule != "last-axis" for hit in check(fn)]
     assert all(hit[1] == "note" for hit in hits), hits
-    side = np.load(vision16.parent / TABLE_FILE, allow_pickle=False)
+    side = np.load(vision16.parent / VISION_POSITION_TABLE, allow_pickle=False)
     assert side.dtype == np.float16 and side.shape == (2, BUDGET * K, 64)
     assert np.array_equal(side, table[:, : BUDGET * K].astype(np.float16))
 
@@ -198,7 +192,7 @@ def test_package_interface_and_position_sidecar(spec_table, vision16):
 @pytest.mark.slow
 def test_executor_16bit_equals_transformers(spec_table, oracle, images, vision16):
     spec = spec_table[0]
-    table = np.load(vision16.parent / TABLE_FILE)
+    table = np.load(vision16.parent / VISION_POSITION_TABLE)
     for p, out in run(vision16, table, spec, images):
         cos, err = compare(out, reference(oracle, p))
         assert cos >= 0.9999 and err <= 3e-3, (p.grid, cos, err)  # fp16 compute: ~1e-3 of the largest value
@@ -210,7 +204,7 @@ def test_executor_4bit_cosine(spec_table, oracle, images, vision4):
     min cosine of 0.95 against transformers. At E2B's shapes (random weights, bench/convert_vision.py) 4 bits give
     0.80, 8 bits 0.9987."""
     spec = spec_table[0]
-    table = np.load(vision4.parent / TABLE_FILE)
+    table = np.load(vision4.parent / VISION_POSITION_TABLE)
     cosines = [compare(out, reference(oracle, p))[0] for p, out in run(vision4, table, spec, images)]
     print(f"4-bit soft tokens vs transformers: min cosine {min(cosines):.4f}")
     assert 0.93 <= min(cosines) < 0.999  # palettized (not fp16's 0.9999), and still the same features

@@ -3,7 +3,7 @@ k x k pooling and the projection into the text model's embedding space, i.e. tra
 `Gemma4Model.get_image_features` for one image at a fixed soft-token budget. Module and parameter names follow the
 checkpoint (`model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight`), so loading is a state_dict copy.
 
-Shaped for the ANE as the chunks are (graph.py): batch 1, static shapes (budget * k^2 patches, padded, so one
+Shaped for the ANE as the chunks are (models/text.py): batch 1, static shapes (budget * k^2 patches, padded, so one
 compiled model serves every aspect ratio), every projection an nn.Linear, RMSNorm safe in fp16. Everything that
 depends on where a patch lies arrives as an input computed by the host (`encoder.encoder_inputs`), as the chunks
 get their RoPE rows and masks:
@@ -22,97 +22,18 @@ token embeddings are (Gemma4Model.forward's masked_scatter).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError
-from .convert import (
-    ConvertError,
-    ConvertOptions,
-    _save_npy,
-    save_one_function,
-    trace_function,
-)
-from .graph import RMSNorm
-from .images import SOFT_TOKEN_BUDGETS
-from .spec import Chunk, Tensor
+from ...checkpoint import Checkpoint, CheckpointError
+from ...spec import Chunk, Tensor, VisionSpec
+from ..options import ConvertError
+from .ops import RMSNorm
 
 FUNCTION = "encode"
-TABLE_FILE = "vision_position_embeddings.npy"  # (2, budget * k, hidden) fp16: x rows, then y rows
-TOKEN_IDS = {"boi_token_id": 255999, "image_token_id": 258880, "eoi_token_id": 258882}  # transformers' defaults
 BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # Gemma4ClippableLinear's buffers
-
-
-@dataclass(frozen=True)
-class VisionSpec:
-    """What the graph needs of config.json's `vision_config` (and the text width it projects into)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    patch_size: int
-    pooling_kernel_size: int
-    position_embedding_size: int
-    clipped: bool  # use_clipped_linears: each encoder projection clamps its input and output
-    rope_theta: float
-    rms_norm_eps: float
-    text_hidden_size: int
-    token_ids: tuple[int, int, int]  # begin-of-image, the placeholder, end-of-image (config.json's)
-
-    @classmethod
-    def from_config(cls, config: dict) -> VisionSpec | None:
-        """From a multimodal config.json (None without a vision tower); refuses, naming the field, what the graph
-        cannot express."""
-        v = config.get("vision_config")
-        if not v:
-            return None
-        try:
-            spec = cls(
-                hidden_size=v["hidden_size"],
-                intermediate_size=v["intermediate_size"],
-                num_layers=v["num_hidden_layers"],
-                num_heads=v["num_attention_heads"],
-                head_dim=v["head_dim"],
-                patch_size=v["patch_size"],
-                pooling_kernel_size=v["pooling_kernel_size"],
-                position_embedding_size=v["position_embedding_size"],
-                clipped=bool(v.get("use_clipped_linears", False)),
-                rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 100.0)),
-                rms_norm_eps=v["rms_norm_eps"],
-                text_hidden_size=config["text_config"]["hidden_size"],
-                token_ids=tuple(config.get(k, d) for k, d in TOKEN_IDS.items()),
-            )
-        except KeyError as e:
-            raise ConvertError(f"config.json: vision_config has no {e.args[0]}") from None
-        refuse = {
-            "num_key_value_heads": v.get("num_key_value_heads", spec.num_heads) != spec.num_heads,
-            "standardize": bool(v.get("standardize")),
-            "hidden_activation": v.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
-            "head_dim": spec.head_dim % 4 != 0,  # axial RoPE: two halves, each rotated half against half
-        }
-        for field, bad in refuse.items():
-            if bad:
-                raise ConvertError(f"config.json: vision_config.{field} = {v.get(field)!r} is not supported")
-        return spec
-
-    def max_position(self, image_tokens: int) -> int:
-        """Patches per side an image can have at this budget: a side is at most `image_tokens` pooling cells."""
-        return image_tokens * self.pooling_kernel_size
-
-
-def read_spec(root: str | Path) -> VisionSpec | None:
-    return VisionSpec.from_config(json.loads((Path(root) / "config.json").read_text()))
-
-
-# -- the model --------------------------------------------------------------------------------------------------
 
 
 def _clip(x, lo, hi):
@@ -232,7 +153,7 @@ class EncoderLayer(nn.Module):
 
 
 def encode_io(spec: VisionSpec, image_tokens: int) -> Chunk:
-    """The package described as a chunk (what convert.trace_function reads): one stateless function `encode`."""
+    """The package described as a chunk (what coreml.trace_function reads): one stateless function `encode`."""
     N, D = image_tokens * spec.pooling_kernel_size**2, spec.head_dim
     ins = {
         "pixel_values": Tensor((1, N, 3 * spec.patch_size**2)),
@@ -266,7 +187,7 @@ class VisionModel(nn.Module):
         self.embed_vision.embedding_projection = nn.Linear(spec.hidden_size, spec.text_hidden_size, bias=False)
         self.use_function(FUNCTION)
 
-    def use_function(self, function: str) -> None:  # one function; convert.trace_function asks for it by name
+    def use_function(self, function: str) -> None:  # one function; coreml.trace_function asks for it by name
         self.input_names = list(self.chunk.functions[function]["inputs"])
 
     def forward(self, *inputs):
@@ -283,29 +204,7 @@ class VisionModel(nn.Module):
 # -- the checkpoint ---------------------------------------------------------------------------------------------
 
 
-def open_vision(root: str | Path, image_tokens: int) -> tuple[VisionSpec, Checkpoint]:
-    """The vision spec and the checkpoint (names from the top: `model.vision_tower.*`), with the budget checked."""
-    if image_tokens not in SOFT_TOKEN_BUDGETS:
-        raise ConvertError(f"--image-tokens {image_tokens}: choose one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}")
-    try:
-        spec = read_spec(root)
-        ckpt = Checkpoint(root) if spec else None
-    except (OSError, ValueError) as e:  # ValueError: a bad config.json, CheckpointError, ConfigError
-        raise ConvertError(str(e).splitlines()[0]) from None
-    if spec is None:
-        raise ConvertError(f"{root}: config.json has no vision_config (no vision tower to convert)")
-    ckpt.prefix = ""
-    need = spec.max_position(image_tokens)
-    if need > spec.position_embedding_size:
-        ckpt.close()
-        raise ConvertError(
-            f"--image-tokens {image_tokens}: an image can be {need} patches wide, but the position table has "
-            f"{spec.position_embedding_size} rows"
-        )
-    return spec, ckpt
-
-
-def _tensor(ckpt: Checkpoint, name: str, shape: tuple, fp16_range: bool) -> np.ndarray:
+def checked_tensor(ckpt: Checkpoint, name: str, shape: tuple, fp16_range: bool) -> np.ndarray:
     try:
         found = ckpt.shape_of(name) if name in ckpt else None
         if found != tuple(shape):
@@ -327,7 +226,7 @@ def load_vision(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int = 280, dty
     model = model.to(dtype).to_empty(device="cpu")
     with torch.no_grad():
         for name, value in model.state_dict().items():  # these share the parameters' storage
-            value.copy_(torch.from_numpy(_tensor(ckpt, "model." + name, value.shape, fp16_range)))
+            value.copy_(torch.from_numpy(checked_tensor(ckpt, "model." + name, value.shape, fp16_range)))
         for m in model.modules():  # non-persistent buffers are not in the checkpoint
             if isinstance(m, RMSNorm):
                 m.sqrt_eps.fill_(m.eps**0.5)
@@ -336,51 +235,3 @@ def load_vision(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int = 280, dty
             elif isinstance(m, ClippableLinear):
                 m.freeze_bounds()
     return model.eval()
-
-
-def position_table(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int) -> np.ndarray:
-    """The rows of the position table this budget can reach, as the host's sidecar holds them (fp16)."""
-    name = "model.vision_tower.patch_embedder.position_embedding_table"
-    table = _tensor(ckpt, name, (2, spec.position_embedding_size, spec.hidden_size), fp16_range=True)
-    return table[:, : spec.max_position(image_tokens)].astype(np.float16)
-
-
-def config_entry(spec: VisionSpec, image_tokens: int) -> dict:
-    """model_config.json's `vision`: what the host needs to preprocess an image and build `encode`'s inputs."""
-    return {
-        "image_tokens": image_tokens,
-        "patch_size": spec.patch_size,
-        "pooling_kernel_size": spec.pooling_kernel_size,
-        "head_dim": spec.head_dim,
-        "rope_theta": spec.rope_theta,
-        "position_table": TABLE_FILE,
-        **dict(zip(TOKEN_IDS, spec.token_ids)),
-    }
-
-
-# -- conversion -------------------------------------------------------------------------------------------------
-
-
-def convert_vision(
-    ckpt_root: str | Path,
-    options: ConvertOptions,
-    out_dir: Path,
-    timer,
-    image_tokens: int = 280,
-    compile_: bool = False,
-) -> Path:
-    """OUT/vision.mlpackage (function `encode`, fp16 compute, palettized at options.bits) and its position-table
-    sidecar; returns the package's path (the .mlmodelc with compile_)."""
-    out = Path(out_dir)
-    with timer("load"):
-        spec, ckpt = open_vision(ckpt_root, image_tokens)
-    try:
-        with timer("load"):
-            model = load_vision(ckpt, spec, image_tokens, fp16_range=True)
-        with timer("sidecars"):
-            _save_npy(out / TABLE_FILE, position_table(ckpt, spec, image_tokens))
-    finally:
-        ckpt.close()
-    prog = trace_function(model, model.chunk, FUNCTION, timer)
-    del model  # the program holds its own fp16 weights now
-    return save_one_function(prog, FUNCTION, "vision", options, out, timer, compile_)

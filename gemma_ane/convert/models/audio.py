@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .audio import MEL_BINS
-from .graph import RMSNorm
+from ...audio import MEL_BINS
+from .ops import RMSNorm
 from .vision import BOUNDS, ClippableLinear
 
 MASK_VALUE = -1e4

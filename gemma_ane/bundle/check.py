@@ -1,0 +1,215 @@
+"""A converted bundle on disk, checked and described: its files against the manifest (`gemma-ane check`), its
+models' interfaces and costs (`gemma-ane inspect`), the published layout told apart from ours.
+
+Everything here is read from the files themselves (the model descriptions and programs), so it
+describes bundles converted elsewhere too; the manifest is only trusted for sizes and hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..files import FileFormatError, read_json, sha256_file, tree_size
+from ..package import Package, PackageError, macs, weight_bytes
+from .errors import BundleError
+from .interfaces import one_function_interfaces, read_interfaces
+from .layout import (
+    ASSISTANT_SIDECARS,
+    COMPILED,
+    MANIFEST,
+    ONE_FUNCTION_MODELS,
+    PACKAGE,
+    REQUIRED,
+    bundle_files,
+    chunk_paths,
+    model_name,
+    model_paths,
+    package_path,
+)
+from .schema import ASSISTANT, VISION, read_model_config
+
+
+def check_manifest(root: Path, sha256: bool = True) -> list[str]:
+    """Problems found against manifest.json, one line each (empty: the bundle verifies). Sizes
+    always; sha256=True verifies: hashes too, and that the manifest lists every file the bundle
+    holds (an unlisted file would go unchecked)."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        return [f"{path}: missing"]
+    try:
+        files = read_json(path)["files"]
+        items = list(files.items())
+    except (FileFormatError, KeyError, TypeError, AttributeError) as e:
+        return [f"{path}: unreadable ({e})"]
+    problems = []
+    for rel, entry in items:
+        p = root / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"{path}: refuses file entry {rel!r} outside the bundle")
+            continue
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != size:
+            problems.append(f"{p}: size {p.stat().st_size}, manifest says {size}")
+        elif sha256 and sha256_file(p) != entry.get("sha256"):
+            problems.append(f"{p}: sha256 differs from the manifest")
+    if sha256:
+        listed = {Path(rel) for rel, _ in items}
+        problems += [
+            f"{p}: not listed in the manifest" for p in bundle_files(root) if p.relative_to(root) not in listed
+        ]
+    return problems
+
+
+def write_manifest(root: Path, header: dict) -> dict:
+    """ROOT/manifest.json: `header` (what the converter states: versions, source, options, plan), then every file
+    of the bundle (bundle_files) with its size and sha256, as check_manifest verifies them."""
+    root = Path(root)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in bundle_files(root)}
+    manifest = {**header, "files": files}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def prompt_paths(chunks: list[dict]) -> dict:
+    """Cost per prompt token of each way a prompt can be processed: chunk_1 + chunk_2 run the
+    prompt (chunk_3 only for its last token). Weight bytes per prompt token = bytes of the
+    weights the functions read, divided by the tokens per call."""
+    stateful = [c for c in chunks if c["functions"].get("infer", {}).get("inputs", {}).get("current_pos")]
+    paths = {}
+    for fname in stateful[0]["functions"] if stateful else []:
+        if fname.startswith("verify_b"):
+            continue  # decoding's speculative step, never a prompt's (CONTRACT §3)
+        fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
+        if any(f["macs_per_token"] is None for f in fns):
+            continue  # a compiled chunk: costs unknown
+        T = fns[0]["tokens_per_call"]
+        paths[fname] = {
+            "tokens_per_call": T,
+            "macs_per_prompt_token": sum(f["macs_per_token"] for f in fns),
+            "weight_bytes_per_prompt_token": sum(f["weight_bytes"] for f in fns) / T,
+        }
+    return paths
+
+
+def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
+    root = Path(root)
+    manifest = read_json(root / MANIFEST) if (root / MANIFEST).is_file() else None
+    planned = {c["name"]: c for c in (manifest or {}).get("plan", {}).get("chunks", [])}
+    chunks = []
+    for path in chunk_paths(root):
+        entry = _inspect_package(path) if path.suffix == PACKAGE else _inspect_compiled(path)
+        if entry["name"] in planned:
+            entry["layers"] = planned[entry["name"]]["layers"]
+        chunks.append(entry)
+    report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
+    # the one-function models, costed as the chunks' functions: what a draft step or an image pays
+    for name, function in ONE_FUNCTION_MODELS.items():
+        path = next(iter(model_paths(root, name)), None)
+        if path is not None:
+            report[name] = _inspect_package(path) if path.suffix == PACKAGE else _inspect_compiled(path, function)
+    problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
+    report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
+    return report
+
+
+def _tokens_per_call(io: dict) -> int:
+    return io["inputs"]["hidden_states"]["shape"][1] if "hidden_states" in io["inputs"] else 1
+
+
+def _inspect_package(path: Path) -> dict:
+    """Interfaces, weight bytes and MACs, read off the saved program."""
+    pkg = Package.open(path)
+    program = pkg.program()
+    entry = {"name": model_name(path), "path": path.name, "size_bytes": pkg.size_bytes(), "functions": {}}
+    for fname in pkg.function_names:
+        io = pkg.interface(fname)
+        entry.setdefault("states", io["states"])
+        fn, T = program.functions[fname], _tokens_per_call(io)
+        entry["functions"][fname] = {
+            "inputs": io["inputs"],
+            "outputs": io["outputs"],
+            "tokens_per_call": T,
+            "weight_bytes": weight_bytes(fn),
+            "macs_per_token": macs(fn) // T,
+        }
+    return entry
+
+
+def _inspect_compiled(path: Path, function: str | None = None) -> dict:
+    """A compiled chunk (or one-function model) cannot be read back: its interfaces as the bundle states them, no
+    costs."""
+    name = model_name(path)
+    interfaces = one_function_interfaces(path, name, function) if function else read_interfaces(path)
+    entry = {"name": name, "path": path.name, "size_bytes": tree_size(path), "functions": {}}
+    entry["states"] = next(iter(interfaces.values()))["states"]
+    for fname, io in interfaces.items():
+        entry["functions"][fname] = {
+            "inputs": io["inputs"],
+            "outputs": io["outputs"],
+            "tokens_per_call": _tokens_per_call(io),
+            "weight_bytes": None,  # unknown: the program is compiled
+            "macs_per_token": None,
+        }
+    return entry
+
+
+def check_bundle(root: Path, sha256: bool = True) -> list[str]:
+    """Every problem with a bundle, one line each: files missing or damaged, a model_config.json
+    the runtime cannot use. sha256=True verifies (`check`, `load(verify=True)`): hashes, every file
+    listed in the manifest, and a manifest at all, which only the published layout may lack
+    (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
+    root = Path(root)
+    problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
+    if (root / MANIFEST).exists():
+        problems += check_manifest(root, sha256)
+    for check in (chunk_paths, read_model_config):
+        try:
+            check(root)
+        except BundleError as e:
+            problems.append(str(e))
+    problems += _one_function_problems(root)
+    if sha256 and not (root / MANIFEST).exists() and not problems:
+        try:
+            if not is_published(root):
+                missing = "missing (gemma-ane convert writes one; without it nothing can be verified)"
+                problems.append(f"{root / MANIFEST}: {missing}")
+        except BundleError as e:
+            problems.append(str(e))
+    return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+
+
+def _one_function_problems(root: Path) -> list[str]:
+    """A bundle whose model_config.json states an assistant or a vision model must hold its package and its
+    sidecars (the drafter's head, the vision model's position table)."""
+    try:
+        config = read_model_config(root)
+    except BundleError:
+        return []  # check_bundle has reported it
+    missing = [
+        package_path(root, name).name for name in ONE_FUNCTION_MODELS if name in config and not model_paths(root, name)
+    ]
+    if config.get(ASSISTANT, {}).get("num_centroids"):
+        missing += [f for f in ASSISTANT_SIDECARS if not (root / f).is_file()]
+    if VISION in config and not (root / config[VISION]["position_table"]).is_file():
+        missing.append(config[VISION]["position_table"])
+    return [f"{root / f}: missing" for f in missing]  # as check_manifest words it: reported once
+
+
+def is_published(root: Path) -> bool:
+    """The published layout (CONTRACT §2, §4): no manifest, and chunk_3 is the argmax head. Our
+    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose
+    manifest is gone is not mistaken for it."""
+    root = Path(root)
+    if (root / MANIFEST).exists():
+        return False
+    last = chunk_paths(root)[-1]
+    if last.suffix == COMPILED:  # a compiled chunk states nothing: the model config says (as published_plan)
+        return read_model_config(root).get("head", "token_id") == "token_id"
+    try:
+        return "logits" not in Package.open(last).interface("infer")["outputs"]
+    except PackageError as e:
+        raise BundleError(str(e)) from None

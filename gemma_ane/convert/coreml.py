@@ -1,0 +1,272 @@
+"""The Core ML toolkit every converter uses (the text chunks, the drafter, the vision model): trace a PyTorch
+function into an fp16 ML Program, palettize its linear weights with our k-means LUTs (`palettize.py`), save it,
+merge a chunk's functions into one multifunction package, compile on macOS; and the coremltools patches they
+need, applied only while converting. Callers reach these through the module (`coreml.trace_function`), so one
+replacement (a test's, a profiler's) covers every converter."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import layout
+from .options import ConvertError, ConvertOptions
+
+WORK = ".work"  # scratch packages inside the partial bundle, removed once merged
+
+
+def _register_int_fix() -> None:
+    """coremltools 9.0 translates `aten::Int` of a folded (1,)-shaped constant with `int(array)`,
+    which numpy 2 refuses. The tracer emits one wherever a slice end is `pos + T`; this override
+    (the documented `register_torch_op(override=True)` hook) squeezes such constants first."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
+
+    @register_torch_op(torch_alias=["int"], override=True)
+    def _int(context, node):
+        x = _get_inputs(context, node, expected=1)[0]
+        if x.can_be_folded_to_const():
+            res = mb.const(val=np.int32(np.asarray(x.val).reshape(())), name=node.name)
+        else:
+            if len(x.shape) > 0:
+                x = mb.squeeze(x=x, name=node.name + "_item")
+            res = mb.cast(x=x, dtype="int32", name=node.name)
+        context.add(res, node.name)
+
+
+def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
+    """A MIL graph pass replacing each linear weight (fp16 const of >= 2048 values, coremltools'
+    default threshold) by `constexpr_lut_to_dense`; weights whose rows do not divide into groups
+    stay fp16 and are named in `skipped`. `cache` maps weight bytes to their LUT, so the functions of a chunk
+    get bit-identical LUTs (and the merge can share them) without running k-means twice."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+
+    from .palettize import kmeans_lut
+
+    index_dtype = types.nptype_from_builtin(types.string_to_builtin(f"uint{nbits}"))
+
+    class PalettizeLinearWeights(AbstractGraphPass):
+        def apply(self, prog):
+            for fn in prog.functions.values():
+                with fn:
+                    for op in list(fn.operations):
+                        self._maybe_palettize(op)
+
+        def _maybe_palettize(self, op):
+            if op.op_type != "const":
+                return
+            var = op.outputs[0]
+            val = var.val
+            if not isinstance(val, np.ndarray) or val.ndim != 2 or val.size < 2048:
+                return
+            if not var.child_ops or any(c.op_type != "linear" or c.weight is not var for c in var.child_ops):
+                return
+            if val.shape[0] % group_size:
+                skipped.add(f"{op.name} {val.shape}")
+                return
+            key = hashlib.sha1(np.ascontiguousarray(val, np.float16).tobytes()).hexdigest()
+            if key not in cache:
+                cache[key] = kmeans_lut(val, nbits, group_size)
+            lut, indices = cache[key]
+            new = mb.constexpr_lut_to_dense(
+                indices=indices.astype(index_dtype), lut=lut, before_op=op, name=op.name + "_palettized"
+            )
+            op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=var, new_var=new)
+            op.enclosing_block.remove_ops([op])
+
+    return PalettizeLinearWeights()
+
+
+def _tensor_types(io: dict):
+    import coremltools as ct
+
+    return [
+        ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else np.float16)
+        for n, t in io.items()
+    ]
+
+
+@contextmanager
+def quiet_coremltools():
+    """coremltools draws a progress bar per pass pipeline, a dozen per function, with no option to
+    turn them off; our own per-function bar says where the conversion is. So tqdm bars created
+    inside this block start disabled (tqdm reads its TQDM_* variables only at import)."""
+    from tqdm.std import tqdm
+
+    init = tqdm.__init__
+
+    def quiet_init(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    tqdm.__init__ = quiet_init
+    try:
+        yield
+    finally:
+        tqdm.__init__ = init
+
+
+@contextmanager
+def temp_files_in(work: Path):
+    """save_multifunction writes each merged chunk to a temporary package in $TMPDIR and leaves it to
+    an atexit hook: held until the process ends, and left for good if it is killed. Inside this block
+    such files go to `work`, in the partial bundle, and are removed with it."""
+    saved, tempfile.tempdir = tempfile.tempdir, str(work)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+@contextmanager
+def _lean_fp16_overflow():
+    """coremltools 9.0 decides per op whether its fp32 consts fit fp16 with
+    `abs[np.where(abs < 1e38)]`: int64 index arrays twice the size of each weight, ~10 GB for the
+    LM head alone, and ~20 s per function at E2B size. Same answer, in bounded blocks, while
+    converting (load_chunk has already refused weights beyond fp16, so it never says yes here)."""
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+
+    def fp16_overflow(op) -> bool:
+        for value in op.inputs.values():
+            for var in value if isinstance(value, (list, tuple)) else [value]:
+                if var.op is not None and var.op.op_type == "const" and var.is_tensor_or_scalar_of(dtype="fp32"):
+                    flat = np.ravel(var.op.val.val)
+                    for i in range(0, flat.size, 1 << 22):
+                        a = np.abs(flat[i : i + (1 << 22)])
+                        if np.any((a > 65504) & (a < 1e38)):
+                            return True
+        return False
+
+    original = FP16ComputePrecision.__dict__["fp16_overflow"]
+    FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
+    try:
+        yield
+    finally:
+        FP16ComputePrecision.fp16_overflow = original
+
+
+def trace_function(model, chunk, function: str, timer):
+    """Trace one function of one chunk into an fp16 MIL program (states, CONTRACT §3 I/O names)."""
+    import coremltools as ct
+    import torch
+
+    _register_int_fix()
+    model.use_function(function)
+    io = chunk.functions[function]
+    float_type = next(model.parameters()).dtype
+    examples = tuple(
+        torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type) for t in io["inputs"].values()
+    )
+    with timer("trace"), torch.no_grad(), quiet_coremltools():
+        traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
+    states = [
+        ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
+        for n, t in chunk.states.items()
+    ]
+    with timer("convert"), quiet_coremltools(), _lean_fp16_overflow():
+        return ct.convert(
+            traced,
+            inputs=_tensor_types(io["inputs"]),
+            outputs=[
+                ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
+                for n, t in io["outputs"].items()
+            ],
+            states=states or None,
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=ct.precision.FLOAT16,
+            convert_to="milinternal",
+        )
+
+
+def finish_function(
+    prog, options: ConvertOptions, lut_cache: dict, timer, skipped: set | None = None, package_dir: Path | None = None
+):
+    """Palettize a traced program and serialise it; with `package_dir` the package is written
+    there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
+    import coremltools as ct
+
+    if options.bits != 16:
+        with timer("palettize"):
+            _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(
+                prog
+            )
+    with timer("convert"), quiet_coremltools():
+        # The program already went through the default pipeline; running it again could fold
+        # our constexpr ops back into dense weights.
+        return ct.convert(
+            prog,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            pass_pipeline=ct.PassPipeline.EMPTY,
+            skip_model_load=True,
+            package_dir=str(package_dir) if package_dir else None,
+        )
+
+
+def convert_function(
+    model,
+    chunk,
+    function: str,
+    options: ConvertOptions,
+    lut_cache: dict,
+    timer,
+    skipped: set | None = None,
+    package_dir: Path | None = None,
+):
+    """Trace, palettize and serialise one function of one chunk; returns the MLModel."""
+    return finish_function(
+        trace_function(model, chunk, function, timer), options, lut_cache, timer, skipped, package_dir
+    )
+
+
+def merge_functions(paths: dict[str, Path], out: Path, default: str = "infer") -> None:
+    """One multifunction package; save_multifunction deduplicates identical consts, so weights
+    and LUTs are stored once and the states are shared by every function."""
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    desc = MultiFunctionDescriptor()
+    for name, path in paths.items():
+        desc.add_function(str(path), src_function_name="main", target_function_name=name)
+    desc.default_function_name = default
+    save_multifunction(desc, str(out))
+
+
+def save_one_function(prog, function: str, name: str, options: ConvertOptions, out: Path, timer, compile_) -> Path:
+    """A traced one-function program (the drafter's `draft`, the vision model's `encode`), palettized and saved as
+    OUT/NAME.mlpackage with its function so named (merged alone: a plain save would call it `main`), or compiled
+    to OUT/NAME.mlmodelc. Returns the path written."""
+    work = out / WORK
+    work.mkdir(exist_ok=True)
+    path, skipped = layout.package_path(work, f"{name}.{function}"), set()
+    finish_function(prog, options, {}, timer, skipped, path)
+    if skipped:
+        print(f"note: {len(skipped)} weight(s) of {name} stay fp16 (e.g. {sorted(skipped)[0]})")
+    final = layout.package_path(out, name)
+    with timer("merge"), quiet_coremltools(), temp_files_in(work):
+        merge_functions({function: path}, final, default=function)
+    shutil.rmtree(work)
+    if not compile_:
+        return final
+    with timer("compile"):
+        compile_package(final, layout.compiled_path(out, name))
+        shutil.rmtree(final)
+    return layout.compiled_path(out, name)
+
+
+def compile_package(package: Path, dest: Path) -> None:
+    """macOS only: .mlpackage -> .mlmodelc with coremltools' documented compile_model, then check
+    that the compiled program is the text MIL Core ML expects."""
+    from coremltools.models.utils import compile_model
+
+    compiled = Path(compile_model(str(package), str(dest)))
+    mil = compiled / "model.mil"
+    if not mil.is_file() or b"\x00" in mil.read_bytes()[:4096]:
+        raise ConvertError(f"{compiled}: compiled model.mil is missing or not text")

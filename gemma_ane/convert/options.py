@@ -1,0 +1,111 @@
+"""What a conversion is asked for (ConvertOptions), how it refuses (ConvertError), and what it costs (StageTimer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..files import stop_point
+from ..images import SOFT_TOKEN_BUDGETS
+from ..spec import MAX_DRAFT_TOKENS
+
+
+class ConvertError(ValueError):
+    """A conversion that cannot proceed; the message names the option, file or value."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    context: int = 2048
+    bits: int = 4
+    group_size: int = 32
+    prefill_batch: int = 8
+    split: tuple[int, int] | None = None
+    compile: bool | None = None  # None: compile on macOS, keep .mlpackage elsewhere
+    force: bool = False
+    # "published" reproduces the published layout for compatibility tests: chunk_3 returns
+    # token_id + token_logit, the PLE norm weight is fp32, the full-layer RoPE tables rotate every
+    # pair (CONTRACT §4) with 8192 rows, and there is no manifest.
+    layout: str = "ours"
+    # KV-only prefill batch sizes; None = those of 64 and 8 that divide the window
+    kv_prefill_batches: tuple[int, ...] | None = None
+    # a Gemma 4 drafter's checkpoint directory: adds assistant.mlpackage and verify_b{draft_tokens + 1} functions
+    assistant: str | None = None
+    draft_tokens: int = 3
+    # the vision tower (when the checkpoint has one) as vision.mlpackage, for this many soft tokens per image, its
+    # weights at vision_bits (None: 8 when the chunks' bits are lower; at 4 bits its soft tokens lose too much)
+    vision: bool = True
+    image_tokens: int = 280
+    vision_bits: int | None = None
+
+    def check(self) -> None:
+        if self.bits not in (4, 6, 8, 16):
+            raise ConvertError(f"--bits {self.bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.layout not in ("ours", "published"):
+            raise ConvertError(f"--layout {self.layout!r}: choose ours or published")
+        if self.group_size < 1:
+            raise ConvertError(f"--group-size {self.group_size}: must be >= 1")
+        if self.compile and platform.system() != "Darwin":
+            raise ConvertError("--compile: compiling to .mlmodelc needs macOS (coremlcompiler); use --no-compile here")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int):
+            raise ConvertError(f"--draft-tokens {self.draft_tokens!r}: expected an integer")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConvertError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
+        if self.assistant and self.layout == "published":
+            raise ConvertError("--assistant: the published layout has no drafter (its head is an argmax); use ours")
+        if self.image_tokens not in SOFT_TOKEN_BUDGETS:
+            budgets = ", ".join(map(str, SOFT_TOKEN_BUDGETS))
+            raise ConvertError(f"--image-tokens {self.image_tokens}: choose one of {budgets}")
+        if self.vision_bits not in (None, 4, 6, 8, 16):
+            raise ConvertError(f"--vision-bits {self.vision_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+
+    @property
+    def vision_options(self) -> ConvertOptions:
+        """These options with the vision model's bits."""
+        bits = self.vision_bits or (self.bits if self.bits >= 8 else 8)
+        return dataclasses.replace(self, bits=bits)
+
+
+class StageTimer:
+    """Wall time and peak resident memory per stage. The peak comes from the kernel's high-water
+    mark (VmHWM), reset at each stage entry through /proc/self/clear_refs, so it is exact rather
+    than sampled; where /proc is missing (macOS) only times are kept."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        stop_point()  # between stages: a signal swallowed inside the last one ends the conversion here
+        _reset_peak_rss()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+            peak = _peak_rss()
+            if peak:
+                self.peak_rss[stage] = max(self.peak_rss.get(stage, 0), peak)
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,109 @@
+"""The text model: the checkpoint's decoder cut into the plan's chunks (each function traced, palettized and merged
+into one stateful multifunction package), and the host's tables beside them (CONTRACT §2): int8 embeddings with
+their scales, the PLE projection and norm, the RoPE rows, model_config.json and the checkpoint's own files."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import layout
+from ..bundle.schema import write_model_config
+from ..bundle.tables import save_npy
+from ..checkpoint import Checkpoint
+from ..files import tree_size
+from ..host import quantize_rows, rope_tables
+from ..spec import FULL, ChunkPlan, Rope
+from . import coreml
+from .options import ConvertError, ConvertOptions
+
+ROW_BLOCK = 8192  # rows of an embedding table quantised at a time: bounded memory at any vocab
+
+
+def convert_chunk(
+    ckpt: Checkpoint, plan: ChunkPlan, chunk, options: ConvertOptions, out: Path, timer, progress: bool, compile_: bool
+) -> int:
+    """Every function of one chunk, traced, converted, palettized and merged into OUT/chunk_N; its size."""
+    import torch
+    from tqdm import tqdm
+
+    from .models.text import load_chunk
+
+    work = out / coreml.WORK
+    work.mkdir(exist_ok=True)
+    with timer("load"):
+        # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16
+        # weights to fp32 copies); its consts are then views of these tensors.
+        try:
+            model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
+        except ValueError as e:
+            raise ConvertError(f"{ckpt.root}: {e}") from None
+    lut_cache, paths, skipped = {}, {}, set()
+    for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn", disable=not progress)):
+        paths[function] = layout.package_path(work, f"{chunk.name}.{function}")
+        prog = coreml.trace_function(model, chunk, function, timer)
+        if i == len(chunk.functions) - 1:
+            # The program's fp16 weights are its own now; the fp32 chunk (~4 GB for chunk_3 at
+            # E2B size) would otherwise sit beside palettization's buffers.
+            del model
+            gc.collect()
+        coreml.finish_function(prog, options, lut_cache, timer, skipped, paths[function])
+        del prog
+    del lut_cache
+    gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
+    if skipped:
+        print(
+            f"note: {len(skipped)} weight(s) of {chunk.name} stay fp16: output channels not divisible by "
+            f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})"
+        )
+    package = layout.package_path(out, chunk.name)
+    with timer("merge"), coreml.quiet_coremltools(), coreml.temp_files_in(work):
+        coreml.merge_functions(paths, package)
+    shutil.rmtree(work)
+    if not compile_:
+        return tree_size(package)
+    with timer("compile"):
+        coreml.compile_package(package, layout.compiled_path(out, chunk.name))
+        shutil.rmtree(package)
+    return tree_size(layout.compiled_path(out, chunk.name))
+
+
+# -- the host's tables ------------------------------------------------------------------------------------------
+
+
+def write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path) -> None:
+    """Stream a [V, N] table into int8 rows + fp16 scales (CONTRACT §2), ROW_BLOCK rows at a time."""
+    rows = ckpt.entries[ckpt.prefix + name][1]["shape"][0]
+    with open(q_path, "wb") as fq, open(scale_path, "wb") as fs:
+        for start in range(0, rows, ROW_BLOCK):
+            q, scale = quantize_rows(ckpt.rows(name, start, min(rows, start + ROW_BLOCK)))
+            fq.write(q.tobytes())
+            fs.write(scale.astype("<f2").tobytes())
+
+
+def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, config: dict) -> None:
+    """The host's tables, `config` as model_config.json, and the checkpoint's own files in hf_model/."""
+    spec = ckpt.spec
+    write_rows_int8(ckpt, "embed_tokens.weight", out / layout.EMBED_Q8, out / layout.EMBED_SCALES)
+    write_rows_int8(ckpt, "embed_tokens_per_layer.weight", out / layout.PLE_Q8, out / layout.PLE_SCALES)
+    (out / layout.PLE_PROJECTION).write_bytes(ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
+    published = options.layout == "published"
+    norm = ckpt["per_layer_projection_norm.weight"]
+    (out / layout.PLE_NORM).write_bytes(norm.astype("<f4" if published else "<f2").tobytes())
+    rows = 8192 if published else max(plan.context, 4096)
+    if published:  # the published tables: every full-layer pair rotates (CONTRACT §4)
+        full = spec.rope[FULL]
+        spec = dataclasses.replace(spec, rope={**spec.rope, FULL: Rope(full.theta, full.dim // 2, full.dim)})
+    for layer_type, (cos, sin) in rope_tables(spec, rows).items():
+        save_npy(out / layout.rope_table("cos", layer_type), cos.astype(np.float16))
+        save_npy(out / layout.rope_table("sin", layer_type), sin.astype(np.float16))
+    write_model_config(out, config)
+    hf = out / layout.HF_DIR
+    hf.mkdir()
+    for f in layout.HF_FILES:
+        if (ckpt.root / f).is_file():
+            shutil.copyfile(ckpt.root / f, hf / f)
