@@ -118,16 +118,18 @@ PRESETS = {
     # width that learns the corpus in a few CPU minutes; a vocabulary whose merges come from the corpus (short
     # prompts: a tool declaration is ~40 tokens; 768 ids hold all its ~360 merges); a window of 128, which holds
     # every training conversation whole (a bundle's context, 512 for the demo, must be >= the window).
+    # Head dims and the per-layer width are E2B's minimum for the Neural Engine audit (a last axis of 64 bytes:
+    # RoPE's half of a 32-wide head is 16 fp16 values, too narrow), so `inspect --ane` passes on the demo bundle.
     "demo": dict(
         vocab_size=768,
         hidden_size=128,
-        hidden_size_per_layer_input=16,
+        hidden_size_per_layer_input=32,
         intermediate_size=256,
         num_hidden_layers=6,
         num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=32,
-        global_head_dim=64,
+        head_dim=64,
+        global_head_dim=128,
         num_kv_shared_layers=2,
         use_double_wide_mlp=True,
         sliding_window=128,
