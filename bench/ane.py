@@ -135,7 +135,7 @@ def main(argv=None):
     p.add_argument("--compute-units", default="cpu_and_ne")
     p.add_argument("--soak", type=int, default=None, help="decode steps of the soak (default 3000; --quick 200)")
     p.add_argument("--quick", action="store_true", help="short runs at the bundle's context; nothing recorded")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     if platform.system() != "Darwin":
         print(

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("bundle")
     p.add_argument("--tokens", type=int, default=1000, help="system prompt length for the cache file size")
     p.add_argument("--quick", action="store_true", help="a tiny bundle: print, never record")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     t = time.perf_counter()
     report = audit_bundle(a.bundle)

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 short turns on a tiny e2b-mini bundle; never recorded")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     turns, sizes, max_tokens = PROFILES[a.quick]
     turns = turns if a.turns is None else a.turns

@@ -54,9 +54,9 @@ def record(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
 
 
 def publish(title: str, body: str, args) -> None:
-    """Print the figures; append them to BENCHMARKS.md unless --no-record or --quick."""
+    """Print the figures; append them to BENCHMARKS.md only when asked (--record), never in --quick mode."""
     print(body)
-    if not getattr(args, "no_record", False) and not getattr(args, "quick", False):
+    if getattr(args, "record", False) and not getattr(args, "quick", False):
         record(title, body)
 
 

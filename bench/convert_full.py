@@ -129,7 +129,7 @@ def main(argv=None):
     p.add_argument("--assistant", metavar="DIR", help="also convert this drafter (gemma-ane convert --assistant)")
     p.add_argument("--draft-tokens", type=int, metavar="K", help="with --assistant: verify_b{K+1} (default 3)")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint: skip the size comparison")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         stats_path = Path(tmp) / "stats.json"

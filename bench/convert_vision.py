@@ -156,7 +156,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("work", help="directory for the checkpoint (written once) and the packages")
     p.add_argument("--quick", action="store_true", help="a toy vision tower instead of E2B's")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # convert into this directory
     p.add_argument("--bits", type=int, nargs="+", default=[16, 8, 4], help="bit widths to convert (default 16 8 4)")
     p.add_argument("--quality", nargs=2, help=argparse.SUPPRESS)  # run this package, compare with this reference

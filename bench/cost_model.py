@@ -250,7 +250,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--json", action="store_true", help="print the model as JSON instead of tables")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     config_path = Path(a.bundle) / "model_config.json"
     if not config_path.is_file():

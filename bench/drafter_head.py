@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes, a few steps (figures mean nothing)")
     p.add_argument("--steps", type=int, default=300, help="draft steps timed per way")
-    p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     s = QUICK if a.quick else E2B
     steps = 20 if a.quick else a.steps

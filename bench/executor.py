@@ -47,7 +47,7 @@ def main(argv=None):
     p.add_argument("bundle", nargs="?")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if not a.bundle and not a.quick:
@@ -80,7 +80,7 @@ def main(argv=None):
         ]
     )
     print(table)
-    if not a.no_record:
+    if a.record:
         record("executor decode profile", table)
 
 

@@ -157,7 +157,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16, help="decode steps timed (default 16)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one short round, not recorded (for the test suite)")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     if a.worker:
         return main_worker(a)

@@ -279,7 +279,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=500)
     p.add_argument("--dir", help="where to write the sidecars (default: a temporary directory)")
     p.add_argument("--logprobs", action="store_true", help="also compute the chosen token's logprob")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     d = QUICK if a.quick else E2B
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:

@@ -184,7 +184,7 @@ def main(argv=None):
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size in GB (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     out = Path(a.out)
     if out.exists() and not a.force:

@@ -4,7 +4,7 @@
     python bench/palettizer.py --quick    # small shapes, for the test suite
 
 Prints time and reconstruction SNR for both and their ratio, extrapolates both to the whole model,
-and appends the table to BENCHMARKS.md (unless --no-record).
+and, with --record, appends the table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(argv=None):
         default=512,
         help="coremltools is timed on the first N rows of each weight and scaled (it is ~per group)",
     )
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     coremltools_kmeans(rng.standard_normal((a.group_size, 64)).astype(np.float32), a.bits, a.group_size)  # imports

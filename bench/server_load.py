@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
     p.add_argument("--quick", action="store_true", help="20 requests; a tiny bundle on the MIL backend if none given")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     if not a.bundle and not a.quick:
         p.error("give a BUNDLE, or --quick")
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     if failures:
         print(f"FAILED: {len(failures)} of {requests} requests", file=sys.stderr)
         return 1
-    if not a.no_record:
+    if a.record:
         record("Server load (gemma-ane serve)", table)
     return 0
 

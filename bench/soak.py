@@ -22,7 +22,7 @@ exceed the reading at the end of the warm-up by --tolerance MB (default 5). A le
 step over the 3,800 steps that follow crosses 5 MB. The caches are allocated whole, but their pages
 may only become resident as positions fill them: the table states their size, which bounds what
 filling them can add. Exits 1 if memory is not flat or the output differs. Appends the table to
-BENCHMARKS.md unless --quick or --no-record.
+BENCHMARKS.md with --record (never with --quick).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=int, help="steps between memory readings (default 100; --quick 25)")
     p.add_argument("--tolerance", type=float, default=5.0, help="MB of growth after the warm-up still flat")
     p.add_argument("--quick", action="store_true", help="300 steps at the bundle's context; never recorded")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     steps = a.steps if a.steps is not None else 300 if a.quick else 2000
     every = a.every if a.every is not None else 25 if a.quick else 100

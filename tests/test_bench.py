@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 def run(script, *args):
     r = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--no-record", *args],
+        [sys.executable, str(BENCH / script), "--quick", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -71,7 +71,7 @@ def quick_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quick_bundle(quick_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("full") / "bundle4"
-    r = script("convert_full.py", quick_ckpt, out, "--quick", "--no-record")
+    r = script("convert_full.py", quick_ckpt, out, "--quick")
     return out, r
 
 
@@ -130,7 +130,7 @@ def test_cost_model_quick(quick_bundle):
     assert model["decode"]["macs"] == sum(f["macs_per_token"] for f in infer)
     static, ideal = model["decode"]["kv_static"], model["decode"]["kv_ideal"]
     assert static["256"] == static["2048"] and ideal["256"] < ideal["2048"] <= static["2048"]
-    table = script("cost_model.py", out, "--no-record").stdout
+    table = script("cost_model.py", out).stdout
     assert "upper bounds" in table and "A19 Pro" in table and "33.4 tok/s" in table
     assert "speculative" not in model and "Speculative" not in table  # no drafter: the output as it was
 
@@ -200,7 +200,7 @@ def test_cost_model_speculative_quick(drafter_bundle):
             assert floor < s["plain_bound"][dev] == pytest.approx(bw * 1e9 / s["plain_bytes"])
     for k in (1, 4):  # the endpoints: nothing accepted gives the target's one token, everything K + 1
         assert expected_tokens(0.0, k) == 1 and expected_tokens(1.0, k) == k + 1
-    table = script("cost_model.py", drafter_bundle, "--no-record").stdout
+    table = script("cost_model.py", drafter_bundle).stdout
     assert "| draft step (assistant `draft`) |" in table and "`verify_b3`" in table
     assert "| A19 Pro | ≤ " in table and "| 2 (built) |" in table and "assumptions" in table
 
@@ -227,7 +227,7 @@ def test_ane_bench_quick_through_the_core_ml_standin(tiny_bundle16, capsys):
         import ane
 
         with install(platform_modules=(*PLATFORM_MODULES, "ane")) as standin:
-            assert ane.main([str(tiny_bundle16), "--quick", "--no-record"]) == 0
+            assert ane.main([str(tiny_bundle16), "--quick"]) == 0
     finally:
         sys.path.remove(str(BENCH))
     out = capsys.readouterr().out
