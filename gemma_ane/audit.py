@@ -244,23 +244,32 @@ def audit_package(path: Path, built_with: str | None = None) -> dict:
     return {"verdict": _verdict(findings, parts), "findings": findings, "functions": functions}
 
 
+def _audit_model(path: Path, built_with: str | None) -> dict:
+    entry = {"name": layout.model_name(path), "path": path.name}
+    if path.suffix == ".mlmodelc":
+        entry.update(verdict="not audited", reason="compiled; audit the .mlpackage before compiling")
+    else:
+        entry.update(audit_package(path, built_with))
+    return entry
+
+
 def audit_bundle(root: str | Path) -> dict:
-    """Per chunk and function: findings and a verdict; the host's mask; one verdict for the bundle."""
+    """Per model (the chunks, then every one-function model the bundle holds: drafter, vision...) and function:
+    findings and a verdict; the host's mask; one verdict for the bundle, which passes only if every model was
+    audited and passed (nothing is skipped silently)."""
     root = Path(root)
     manifest = root / layout.MANIFEST
     built_with = read_json(manifest).get("converter", {}).get("coremltools") if manifest.is_file() else None
-    chunks = []
-    for path in chunk_paths(root):
-        entry = {"name": path.name.split(".")[0], "path": path.name}
-        if path.suffix == ".mlmodelc":
-            entry.update(verdict="not audited", reason="compiled; audit the .mlpackage before compiling")
-        else:
-            entry.update(audit_package(path, built_with))
-        chunks.append(entry)
+    chunks = [_audit_model(path, built_with) for path in chunk_paths(root)]
+    models = [
+        _audit_model(paths[0], built_with)
+        for name in sorted(layout.ONE_FUNCTION_MODELS)
+        if (paths := layout.model_paths(root, name))
+    ]
     found = _group("finite", check_host_mask())
     hosted = {"verdict": _verdict(found), "findings": found}
-    verdict = _verdict([], [c["verdict"] for c in chunks] + [hosted["verdict"]])
-    return {"bundle": str(root), "rules": RULES, "chunks": chunks, "host": hosted, "verdict": verdict}
+    verdict = _verdict([], [m["verdict"] for m in chunks + models] + [hosted["verdict"]])
+    return {"bundle": str(root), "rules": RULES, "chunks": chunks, "models": models, "host": hosted, "verdict": verdict}
 
 
 def format_audit(report: dict) -> str:
@@ -271,7 +280,7 @@ def format_audit(report: dict) -> str:
             out.append(f"{indent}{f['rule']} {f['verdict']}: {f['op']} x{f['count']} ({f['example']}): {f['detail']}")
             broken.update([f["rule"]] if f["verdict"] == V else [])
 
-    for c in report["chunks"]:
+    for c in report["chunks"] + report.get("models", []):
         out.append(f"{c['name']} ({c['path']}): {c['verdict']}" + (f" ({c['reason']})" if "reason" in c else ""))
         findings(c.get("findings", []), "  ")
         for fname, f in c.get("functions", {}).items():

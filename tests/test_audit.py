@@ -2,6 +2,7 @@
 one that breaks none), the shared tiny bundles, the host's mask, and the command line."""
 
 import json
+import shutil
 
 import coremltools as ct
 import numpy as np
@@ -33,7 +34,7 @@ def write_bundle(tmp_path, prog, precision=ct.precision.FLOAT16):
 
 
 def findings(report, verdict=None):
-    for c in report["chunks"]:
+    for c in report["chunks"] + report.get("models", []):
         for f in c.get("findings", []) + [g for fn in c.get("functions", {}).values() for g in fn["findings"]]:
             if verdict in (None, f["verdict"]):
                 yield f
@@ -200,6 +201,21 @@ def test_compiled_chunks_are_not_audited(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--ane"]) == 1
 
 
+def test_every_model_beside_the_chunks_is_audited_and_counts(tmp_path):
+    """A vision model or drafter is audited like a chunk: its violation fails the bundle, and a compiled one
+    is 'not audited' rather than skipped (inspect --ane used to say "pass" without looking at them)."""
+    root = write_bundle(tmp_path, clean())
+    convert(singleton_last_axis(), ct.precision.FLOAT16).save(str(root / "vision.mlpackage"))
+    report = audit_bundle(root)
+    assert [m["name"] for m in report["models"]] == ["vision"] and report["models"][0]["verdict"] == "fail"
+    assert report["verdict"] == "fail" and "vision (vision.mlpackage): fail" in format_audit(report)
+    shutil.rmtree(root / "vision.mlpackage")
+    (root / "assistant.mlmodelc").mkdir()
+    report = audit_bundle(root)
+    assert [(m["name"], m["verdict"]) for m in report["models"]] == [("assistant", "not audited")]
+    assert report["verdict"] == "not audited"
+
+
 # -- the host's mask ------------------------------------------------------------------------------
 
 
@@ -270,7 +286,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     good, bad = write_bundle(tmp_path / "good", clean()), write_bundle(tmp_path / "bad", singleton_last_axis())
     assert main(["inspect", str(good), "--ane", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"bundle", "rules", "chunks", "host", "verdict"} and report["verdict"] == "pass"
+    assert set(report) == {"bundle", "rules", "chunks", "models", "host", "verdict"} and report["verdict"] == "pass"
     assert set(report["rules"]) == set(audit.FUNCTION_CHECKS) | set(audit.CHUNK_CHECKS)
     [chunk] = report["chunks"]
     assert {"name", "path", "verdict", "findings", "functions"} <= set(chunk)
