@@ -25,9 +25,8 @@ def on_grid(out: int, cols: int, nbits: int, group_size: int, seed: int):
     rng = np.random.default_rng(seed)
     low, high = -(1 << (nbits - 1)), (1 << (nbits - 1)) - 1
     k = rng.integers(low, high + 1, size=(out, cols // group_size, group_size))
-    k[np.arange(out)[:, None], np.arange(cols // group_size), rng.integers(0, group_size, (out, cols // group_size))] = (
-        low
-    )
+    owner = rng.integers(0, group_size, (out, cols // group_size))
+    k[np.arange(out)[:, None], np.arange(cols // group_size), owner] = low
     scale = bf16(rng.choice([-1, 1], (out, cols // group_size)) * 10 ** rng.uniform(-4, -1, (out, cols // group_size)))
     return k.reshape(out, cols), scale
 
