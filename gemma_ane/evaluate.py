@@ -89,6 +89,24 @@ def check_pair(ckpt: Checkpoint, bundle: Path, config: dict) -> None:
         raise EvalError(f"{ours}: differs from {theirs}: the bundle is not of this checkpoint")
 
 
+def _bundle_logits(engine, ids: np.ndarray, skip: int) -> np.ndarray:
+    """The bundle's logits at rows skip.. of `ids`; the rows before fill the caches as a prompt does (KV-only
+    batches where the bundle has them), so only the scored rows hold [rows, vocab] logits."""
+    engine.reset()
+    if skip:
+        engine.feed(ids[:skip], logits="none")
+    return np.stack(engine.feed(ids[skip:], logits="all"))
+
+
+def _reference_logits(model, ids: np.ndarray, rows: int) -> np.ndarray:
+    """transformers' logits at the last `rows` rows of `ids` (logits_to_keep: the head runs on those alone)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=rows)
+    return out.logits[0].float().numpy()
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -129,7 +147,7 @@ def evaluate(
     from tqdm import tqdm
 
     from .bundle import open_engine, read_model_config
-    from .verify import oracle_logits, oracle_model
+    from .verify import oracle_model
 
     if precision not in ("fp32", "fp16"):
         raise EvalError(f"--precision {precision!r}: choose fp32 or fp16")
@@ -166,20 +184,19 @@ def evaluate(
     try:
         for start, first in windows(len(ids), context, stride):
             window = np.asarray([BOS, *ids[start : start + context - 1]], np.int64)
-            engine.reset()
-            ours = np.stack(engine.feed(window, logits="all"))
-            ref = oracle_logits(model, window)
-            # row r predicts window[r + 1]: the text's token start + r
-            rows = np.arange(first - start, context - 1)
-            for block in range(0, len(rows), ROWS):
-                r = rows[block : block + ROWS]
-                lp, lq = log_softmax(ref[r]), log_softmax(ours[r])
-                target = window[r + 1]
+            # row r predicts window[r + 1]: the last token is only a target, and the first `skip` rows (scored by the
+            # window before) only fill the caches
+            skip, target = first - start, window[first - start + 1 :]
+            ours = _bundle_logits(engine, window[:-1], skip)
+            ref = _reference_logits(model, window[:-1], len(target))
+            for block in range(0, len(target), ROWS):
+                r = slice(block, block + ROWS)
+                lp, lq, t = log_softmax(ref[r]), log_softmax(ours[r]), target[r]
                 kld.append(kl_divergence(lp, lq))
                 agree.append(lp.argmax(-1) == lq.argmax(-1))
-                nll_ref.append(-lp[np.arange(len(r)), target])
-                nll_ours.append(-lq[np.arange(len(r)), target])
-            bar.update(len(rows))
+                nll_ref.append(-lp[np.arange(len(t)), t])
+                nll_ours.append(-lq[np.arange(len(t)), t])
+            bar.update(len(target))
     finally:
         bar.close()
     kld = np.concatenate(kld)
