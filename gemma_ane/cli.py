@@ -97,6 +97,25 @@ def cmd_verify(a):
     return 0 if report["passed"] else 1
 
 
+def cmd_eval(a):
+    from .evaluate import evaluate
+
+    report = evaluate(
+        a.src, a.bundle, a.text, context=a.context, stride=a.stride, precision=a.precision, progress=not a.quiet
+    )
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{report['tokens']} tokens (context {report['context']}, stride {report['stride']},"
+            f" {report['precision']}):"
+            f" KLD mean {report['kld_mean']:.6f}, p99 {report['kld_p99']:.6f}, max {report['kld_max']:.6f};"
+            f" top-1 {report['top1_agreement']:.4f}; perplexity {report['ppl_reference']:.4f} (transformers)"
+            f" -> {report['ppl_bundle']:.4f} (bundle)"
+        )
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse prints the whole usage block on a bad flag; we keep errors to one line."""
 
@@ -571,6 +590,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser(
+        "eval",
+        help="what a bundle costs in quality: KL divergence, top-1 agreement and perplexity against transformers",
+        description="Run a text through transformers (fp32, the checkpoint's own weights) and through the bundle (the"
+        " MIL executor) and compare their next-token distributions at every scored token: KL(reference || bundle)"
+        " (mean, p99, max, in nats), top-1 agreement, and both perplexities. Windows: each is BOS and CONTEXT-1"
+        " tokens of the text, windows start STRIDE tokens apart, and each scores its last STRIDE tokens, i.e. those"
+        " after its first CONTEXT-STRIDE positions (the first window scores all of its tokens, a last window ending"
+        " at the text's end those not yet scored): every token is scored once.",
+    )
+    s.add_argument("src", help="Hugging Face checkpoint directory the bundle was converted from")
+    s.add_argument("--bundle", required=True, help="the converted bundle")
+    s.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score (at least one window long)")
+    s.add_argument("--context", type=int, help="positions a window holds, BOS included (default: the bundle's)")
+    s.add_argument("--stride", type=int, help="tokens between window starts, and scored a window (default: context/2)")
+    s.add_argument("--precision", choices=["fp32", "fp16"], default="fp16", help="the bundle's arithmetic")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_eval)
     return p
 
 

@@ -115,7 +115,7 @@ RUNTIME = {
     "fetch",
 } | in_folder("bundle")
 # tiny_train trains the demo preset with torch: the oracle's side, like tiny
-CONVERTER_SIDE = in_folder("convert") | {"verify", "tiny", "tiny_train", "tokenizer_files"}
+CONVERTER_SIDE = in_folder("convert") | {"verify", "evaluate", "tiny", "tiny_train", "tokenizer_files"}
 
 
 def test_runtime_side_never_imports_torch_transformers_or_the_converter():
@@ -134,4 +134,5 @@ def test_executor_stands_on_the_saved_program_alone():
 
 def test_transformers_is_imported_only_by_the_oracle_side():
     users = {m for m in modules() if "transformers" in imports(m)}
-    assert users <= {"verify", "tiny"}, sorted(users)
+    # evaluate: measures a bundle against the oracle, as verify does (through verify's oracle_model)
+    assert users <= {"verify", "tiny", "evaluate"}, sorted(users)
