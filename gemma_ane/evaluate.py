@@ -17,13 +17,14 @@ transformers is imported here (through `verify`): this module sits on the oracle
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
 import numpy as np
 
+from .bundle import layout
 from .checkpoint import Checkpoint
+from .files import sha256_file
 from .tokens import BOS
 
 ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
@@ -81,11 +82,11 @@ def check_pair(ckpt: Checkpoint, bundle: Path, config: dict) -> None:
         same = math.isclose(have, want, rel_tol=1e-6) if isinstance(want, float) else have == want
         if not same:
             raise EvalError(
-                f"{bundle / 'model_config.json'}: {name}={have!r} but {ckpt.root / 'config.json'} has {want!r}: "
+                f"{bundle / layout.MODEL_CONFIG}: {name}={have!r} but {ckpt.root / 'config.json'} has {want!r}: "
                 "the bundle is not of this checkpoint"
             )
-    ours, theirs = bundle / "hf_model" / "tokenizer.json", ckpt.root / "tokenizer.json"
-    if ours.is_file() and theirs.is_file() and _sha(ours) != _sha(theirs):
+    ours, theirs = bundle / layout.HF_TOKENIZER, ckpt.root / Path(layout.HF_TOKENIZER).name
+    if ours.is_file() and theirs.is_file() and sha256_file(ours) != sha256_file(theirs):
         raise EvalError(f"{ours}: differs from {theirs}: the bundle is not of this checkpoint")
 
 
@@ -105,10 +106,6 @@ def _reference_logits(model, ids: np.ndarray, rows: int) -> np.ndarray:
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=rows)
     return out.logits[0].float().numpy()
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def read_text(path) -> str:
@@ -168,9 +165,9 @@ def evaluate(
     stride = max(1, context // 2) if stride is None else stride
     if not 1 <= stride <= context - 1:
         raise EvalError(f"--stride {stride}: must be in [1, --context - 1 = {context - 1}]")
-    tokenizer = bundle / "hf_model" / "tokenizer.json"
+    tokenizer = bundle / layout.HF_TOKENIZER
     if not tokenizer.is_file():
-        tokenizer = ckpt.root / "tokenizer.json"
+        tokenizer = ckpt.root / Path(layout.HF_TOKENIZER).name
     ids = tokenize(tokenizer, text)
     if len(ids) < context - 1:
         raise EvalError(

@@ -1,5 +1,6 @@
-"""Block-wise linear quantization (`gemma_ane.convert.blockquant`): a weight already on q4_0's grid comes back bit for bit,
-any other weight within half a step, and the MIL op it is stored as runs in our executor as numpy dequantizes it."""
+"""Block-wise linear quantization (`gemma_ane.convert.blockquant`): a weight already on q4_0's grid comes back bit
+for bit, any other weight within half a step, and the MIL op it is stored as runs in our executor as numpy
+dequantizes it."""
 
 import coremltools as ct
 import numpy as np
