@@ -56,10 +56,10 @@ def position_table(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int) -> np.
     return table[:, : spec.max_position(image_tokens)].astype(np.float16)
 
 
-def config_entry(spec: VisionSpec, image_tokens: int) -> dict:
+def config_entry(spec: VisionSpec, image_tokens: int) -> schema.VisionConfig:
     """model_config.json's `vision` (bundle.schema's): what the host needs to preprocess an image and build
     `encode`'s inputs."""
-    return schema.vision_entry(spec, image_tokens)
+    return schema.VisionConfig.of(spec, image_tokens)
 
 
 # -- conversion -------------------------------------------------------------------------------------------------
