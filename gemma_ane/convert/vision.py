@@ -16,7 +16,8 @@ from ..files import tree_size
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import VisionSpec
 from . import coreml
-from .models.vision import FUNCTION, checked_tensor, encode_io, load_vision
+from .models.load import checked_tensor
+from .models.vision import FUNCTION, encode_io, load_vision
 from .options import ConvertError, ConvertOptions
 
 
