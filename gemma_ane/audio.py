@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import InputError
+
 SAMPLE_RATE = 16_000
 FRAME_LENGTH = 320  # 20 ms analysis window
 HOP_LENGTH = 160  # 10 ms between frames
@@ -47,7 +49,7 @@ SILENCE = 2.0**-15  # one step of 16-bit PCM
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # OpenAI's `input_audio.format` names (wav and mp3) and more
 
 
-class AudioError(ValueError):
+class AudioError(InputError):
     """Audio that cannot be used; the message names the clip and the problem, on one line."""
 
 

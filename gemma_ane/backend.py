@@ -26,12 +26,13 @@ from .bundle.interfaces import Interface, one_function_interfaces, read_interfac
 from .bundle.schema import read_model_config
 from .bundle.tables import check_norm_sidecar, check_rope, load_host
 from .engine import Engine, FunctionUnavailable
+from .errors import DeviceError
 
 BACKENDS = ("auto", "coreml", "mil")
 COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
 
 
-class BackendError(BundleError):
+class BackendError(BundleError, DeviceError):
     """A backend that cannot be opened here, or a chunk it cannot run; the message says which."""
 
 

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
+from .errors import InputError
 from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN, SPECIAL_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from .tools import MAX_DEPTH, ToolCall, call_id, declaration, gemma_value, parse_call, too_deep
 
@@ -37,7 +38,7 @@ ROLES = {
 }
 
 
-class ChatError(ValueError):
+class ChatError(InputError):
     """A conversation or template that cannot be rendered; the message says why."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ConversionError
 from .spec import ModelSpec
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32, "I64": np.int64}
@@ -23,7 +24,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.in
 _PREFIXES = ("model.language_model.", "model.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConversionError):
     """A checkpoint that cannot be read; the message names the file or tensor."""
 
 

@@ -15,13 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import files
-from .bundle import BundleError
-from .checkpoint import CheckpointError
-from .engine import NonFiniteOutput
+from .errors import GemmaAneError
 from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .images import MAX_PIXELS
-from .package import PackageError
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 from .tools import MAX_DEPTH
 
@@ -668,18 +665,9 @@ def main(argv=None) -> int:
         signum = e.args[0] if isinstance(e, files.Stopped) else signal.SIGINT
         print(f"gemma-ane {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
-    except (
-        ConfigError,
-        CheckpointError,
-        BundleError,
-        PackageError,
-        NonFiniteOutput,
-        FileExistsError,
-        ValueError,
-        OSError,
-    ) as e:
+    except (GemmaAneError, ValueError, OSError) as e:  # ValueError, OSError: numpy's, the file system's
         print(f"gemma-ane {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code if isinstance(e, GemmaAneError) else 2
     except ImportError as e:
         if (e.name or "").split(".")[0] not in _OPTIONAL:
             raise

@@ -14,26 +14,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from .bundle.tables import HostTables
+from .errors import DeviceError, GemmaAneError, InputError
 from .host import full_mask, kv_sliding_mask, sliding_mask
 from .spec import FULL, SLIDING
 from .tokens import PAD
 
 
-class ContextOverflow(ValueError):
-    pass
+class ContextOverflow(InputError):
+    code = "context_length_exceeded"
 
 
-class Cancelled(Exception):
+class Cancelled(GemmaAneError):
     """The caller gave up (a client that disconnected) while its prompt was being processed."""
 
+    status = 503  # nobody is left to read it; the server answers as for a shutdown
 
-class FunctionUnavailable(RuntimeError):
+
+class FunctionUnavailable(DeviceError):
     """A chunk function this device cannot load or compile on the requested compute units (e.g. the
     Neural Engine compiler refusing a T>1 stateful function). Raised by a backend's `load`; the
     engine then runs without that prompt path."""
 
 
-class NonFiniteOutput(RuntimeError):
+class NonFiniteOutput(DeviceError):
     """chunk_3's logits hold NaN or inf: damaged weights (a greedy argmax of NaNs would silently
     pick token 0). Not a ValueError: the bundle is at fault, not the request."""
 

@@ -24,6 +24,8 @@ import threading
 import time
 from urllib.parse import urljoin, urlsplit
 
+from .errors import GemmaAneError
+
 log = logging.getLogger("gemma_ane.server")
 
 FETCH_SECONDS = 10.0  # one fetch, start to end: lookups, connections, redirects and the whole body
@@ -33,8 +35,11 @@ _CHUNK = 65536
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
-class FetchError(Exception):
-    """Why a fetch failed: for the log only (the client gets `failure`'s text)."""
+class FetchError(GemmaAneError):
+    """Why a fetch failed: for the log only (the client gets `failure`'s text). The request's fault, but
+    not a ValueError: `fetch` turns the ValueErrors it meets into FetchErrors, never its own."""
+
+    status = 400
 
 
 def failure(url: str) -> str:

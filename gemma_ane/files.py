@@ -14,8 +14,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import InputError
 
-class FileFormatError(ValueError):
+
+class FileFormatError(InputError):
     """A file that cannot be read as what it should be, or written where it should go; the
     message names the file."""
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import InputError
 from .tokens import (
     CHANNEL_CLOSE,
     CHANNEL_OPEN,
@@ -59,7 +60,7 @@ NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 THINKING = f"think: <[{CHANNEL_OPEN}]> THINK_TEXT? <[{CHANNEL_CLOSE}]>\nTHINK_TEXT: /(?s:.+)/\n"
 
 
-class GrammarError(ValueError):
+class GrammarError(InputError):
     """A response format, tool choice or grammar that cannot be used; `param` is the request field at
     fault (None for a token the grammar refuses)."""
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import InputError
+
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_TOKENS; E2B's default is 280
 MAX_PIXELS = 40_000_000  # width * height: a 40 MP photo decodes to 120 MB of RGB; the server's default too
 
@@ -74,7 +76,7 @@ _REFUSED = (
 )
 
 
-class ImageError(ValueError):
+class ImageError(InputError):
     """An image that cannot be used; the message names the image and the problem, on one line."""
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import DeviceError
 from .package import Package
 
 
-class ExecutionError(ValueError):
+class ExecutionError(DeviceError, ValueError):
     """A program or an input the executor refuses; the message names the op, input or function."""
 
 

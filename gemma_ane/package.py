@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import BundleError
 from .files import tree_size
 
 
-class PackageError(ValueError):
+class PackageError(BundleError):
     """A model package that cannot be read; the message names the file."""
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from .bundle import layout
 from .encoder import IDENTITY_BYTES, KEY_BITS, NUMBER_BITS, identity_of, image_number, key_number
 from .engine import RING, Engine
+from .errors import InputError
 from .files import write_atomic
 
 FORMAT = 1
@@ -44,7 +45,7 @@ TOKEN_DTYPES = (np.dtype("<i8"), np.dtype("<i4"))  # int32: files from before im
 KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device"}
 
 
-class PromptCacheError(ValueError):
+class PromptCacheError(InputError):
     """A prompt cache file that cannot be used here; the message names the file and the field."""
 
 

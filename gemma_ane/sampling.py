@@ -12,8 +12,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from .errors import InputError
 
-class SamplingError(ValueError):
+
+class SamplingError(InputError):
     """An invalid sampling parameter; the message names it and `param` holds its name."""
 
     def __init__(self, message: str, *, param: str):

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
-from .engine import Cancelled, ContextOverflow
+from .engine import Cancelled
+from .errors import GemmaAneError
 from .images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from .sampling import SamplingError, SamplingParams
 from .tokens import byte_symbols
@@ -48,7 +49,7 @@ TEXT_BODY = 1_000_000  # bytes: a request body without images
 _END = object()  # the worker's last item for a job: nothing more will come
 
 
-class APIError(Exception):
+class APIError(GemmaAneError):
     """A request the server refuses, rendered in OpenAI's error shape."""
 
     def __init__(
@@ -761,14 +762,20 @@ _PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
 
 
 def _error_of(exc: BaseException) -> APIError:
-    if isinstance(exc, ContextOverflow):
-        return APIError(400, str(exc), code="context_length_exceeded")
+    """The one mapping from an error to a response: a package error by its class's `status`, `code` and
+    `param` (gemma_ane.errors); any other ValueError is the request's (400), anything else the server's.
+    A server error's message stays in the log: it may name the server's files."""
+    if isinstance(exc, APIError):
+        return exc
+    status = exc.status if isinstance(exc, GemmaAneError) else 400 if isinstance(exc, ValueError) else 500
+    code = exc.code if isinstance(exc, GemmaAneError) else None
+    if status >= 500:
+        return APIError(status, "the generation failed; see the server log", type="server_error", code=code)
+    param = exc.param if isinstance(exc, GemmaAneError) else None
     if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
         part = _PART.match(str(exc))
-        return APIError(400, str(exc), param=part.group(0) if part else "messages")
-    if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
-        return APIError(400, str(exc))
-    return APIError(500, "the generation failed; see the server log", type="server_error")
+        param = part.group(0) if part else "messages"
+    return APIError(status, str(exc), param=param, code=code)
 
 
 async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from .errors import ConversionError
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-class ConfigError(ValueError):
+class ConfigError(ConversionError):
     """A config (or an option) the converter cannot represent. The message names the field."""
 
 

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
+from .errors import InputError
+
 Q = '<|"|>'  # the string delimiter, one token (tokens.STRING_DELIM)
 NAME = re.compile(r"[\w.:-]+")  # a function name: it must end where the call's arguments begin
 STANDARD_KEYS = ("description", "type", "properties", "required", "nullable")
@@ -27,7 +29,7 @@ STANDARD_KEYS = ("description", "type", "properties", "required", "nullable")
 MAX_DEPTH = 64
 
 
-class ToolError(ValueError):
+class ToolError(InputError):
     """A tool definition or tool call that cannot be used; `param` is the field's path in the request."""
 
     def __init__(self, param: str, problem: str):

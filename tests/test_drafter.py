@@ -152,7 +152,7 @@ def torch_drafter(pair, plan, tmp_path_factory):
     host = HostTables(
         q, scales, np.zeros((V, L), np.int8), np.zeros(V, np.float16), math.sqrt(H), 4.0, rope_tables(plan.spec, 128)
     )
-    config = {"sliding_window": W, "vocab_size": V, "assistant": config_entry(spec, plan)}
+    config = {"sliding_window": W, "vocab_size": V, "assistant": config_entry(spec, plan).to_json()}
     return Drafter(TorchDraft(model), host, config, head), host
 
 
@@ -188,7 +188,7 @@ def plain(pair, plan, oracle, tmp_path_factory):
     assert list(package.functions["draft"]["outputs"]) == ["carry_out", "logits"]
     ours = load_assistant(ckpt, spec, package)
     ckpt.close()
-    return ours, model, config_entry(spec, plan)
+    return ours, model, config_entry(spec, plan).to_json()
 
 
 def test_a_plain_head_drafter_equals_transformers(plain, torch_drafter, oracle):

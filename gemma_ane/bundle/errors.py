@@ -1,5 +1,5 @@
-"""The bundle's error: a bundle that is missing or damaged."""
+"""The bundle's error: a bundle that is missing or damaged (one of the package's errors, `gemma_ane.errors`)."""
 
+from ..errors import BundleError
 
-class BundleError(ValueError):
-    """A bundle that is missing or damaged; the message names the file."""
+__all__ = ["BundleError"]

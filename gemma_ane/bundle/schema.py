@@ -1,14 +1,16 @@
 """model_config.json (CONTRACT §2): the one schema that writes it and reads it back.
 
-The converter builds the text entry, the drafter's entry and the vision model's entry here (`text_entry`,
-`assistant_entry`, `vision_entry`) and publishes them with `check_model_config` first: the rules `load` applies
-when it reads the file are the rules a conversion must pass before anything is written, so `convert` can never
-publish a bundle that `load` refuses.
+The file's entries are typed records: the text model's (`TextConfig`), the drafter's (`AssistantConfig`) and the
+vision model's (`VisionConfig`), each built from its spec (`of`) and written by `to_json`. Their `from_json` holds
+the rules, and `check_model_config` runs them on the file as written and as read: the rules `load` applies when it
+reads the file are the rules a conversion must pass before anything is written, so `convert` can never publish a
+bundle that `load` refuses.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -22,73 +24,175 @@ from .layout import MODEL_CONFIG, VISION_POSITION_TABLE
 ASSISTANT, VISION = "assistant", "vision"  # the one-function models' entries
 
 
-def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
-    """The text model's fields: the checkpoint's shapes (a ModelSpec) and the chunk plan's, as the runtime and
-    the published layout's readers expect them."""
-    return {
-        "model_name": name,
-        "architecture": "gemma4",
-        "hidden_size": spec.hidden_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.kv_heads[0],
-        "head_dim": spec.head_dim_of(SLIDING) if SLIDING in spec.layer_types else spec.head_dims[0],
-        "global_head_dim": spec.head_dim_of(FULL),
-        "vocab_size": spec.vocab_size,
-        "context_length": plan.context,
-        "sliding_window": plan.window,
-        "per_layer_dim": spec.per_layer_dim,
-        "num_kv_shared_layers": spec.num_kv_shared_layers,
-        "layer_types": list(spec.layer_types),
-        "embed_scale": spec.embed_scale,
-        "per_layer_embed_scale": spec.per_layer_embed_scale,
-        "per_layer_model_projection_scale": spec.hidden_size**-0.5,
-        "per_layer_input_scale": 2**-0.5,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "bos_token_id": spec.bos_token_id,
-        "eos_token_id": spec.eos_token_ids[0],
-        "final_logit_softcapping": spec.final_logit_softcapping,
-        "quantization": "none" if bits == 16 else f"int{bits}",
-        "compute_units": "CPU_AND_NE",
-        "prefill_batch": plan.prefill_batch,
-        "split": list(plan.split),
-        "head": "token_id" if layout == "published" else "logits",
-    }
+@dataclass(frozen=True, kw_only=True)
+class TextConfig:
+    """The text model's fields, in the file's order: the checkpoint's shapes (a ModelSpec) and the chunk plan's,
+    as the runtime and the published layout's readers expect them. The fields `load` may do without (optional in
+    TEXT_FIELDS, or never read) are None when a bundle does not state them."""
+
+    model_name: str | None = None
+    architecture: str | None = None
+    hidden_size: int
+    num_hidden_layers: int
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    global_head_dim: int | None = None
+    vocab_size: int
+    context_length: int | None = None
+    sliding_window: int | None = None
+    per_layer_dim: int
+    num_kv_shared_layers: int | None = None
+    layer_types: list[str] | None = None
+    embed_scale: float
+    per_layer_embed_scale: float
+    per_layer_model_projection_scale: float | None = None
+    per_layer_input_scale: float | None = None
+    rms_norm_eps: float | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    final_logit_softcapping: float | None = None
+    quantization: str | None = None
+    compute_units: str | None = None
+    prefill_batch: int | None = None
+    split: list[int] | None = None
+    head: str | None = None
+
+    @classmethod
+    def of(cls, spec, plan, bits: int, layout: str, name: str) -> TextConfig:
+        """What a conversion of `spec` (a ModelSpec) by `plan` (a ChunkPlan) states."""
+        return cls(
+            model_name=name,
+            architecture="gemma4",
+            hidden_size=spec.hidden_size,
+            num_hidden_layers=spec.num_layers,
+            num_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.kv_heads[0],
+            head_dim=spec.head_dim_of(SLIDING) if SLIDING in spec.layer_types else spec.head_dims[0],
+            global_head_dim=spec.head_dim_of(FULL),
+            vocab_size=spec.vocab_size,
+            context_length=plan.context,
+            sliding_window=plan.window,
+            per_layer_dim=spec.per_layer_dim,
+            num_kv_shared_layers=spec.num_kv_shared_layers,
+            layer_types=list(spec.layer_types),
+            embed_scale=spec.embed_scale,
+            per_layer_embed_scale=spec.per_layer_embed_scale,
+            per_layer_model_projection_scale=spec.hidden_size**-0.5,
+            per_layer_input_scale=2**-0.5,
+            rms_norm_eps=spec.rms_norm_eps,
+            bos_token_id=spec.bos_token_id,
+            eos_token_id=spec.eos_token_ids[0],
+            final_logit_softcapping=spec.final_logit_softcapping,
+            quantization="none" if bits == 16 else f"int{bits}",
+            compute_units="CPU_AND_NE",
+            prefill_batch=plan.prefill_batch,
+            split=list(plan.split),
+            head="token_id" if layout == "published" else "logits",
+        )
+
+    def to_json(self) -> dict:
+        """The fields in order; one the reader may miss (optional in TEXT_FIELDS) is left out when None, since
+        null is no value it accepts."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None or k not in TEXT_FIELDS}
+
+    @classmethod
+    def from_json(cls, config, where: str) -> TextConfig:
+        """The text fields of a whole model_config.json, after TEXT_FIELDS' rules: a BundleError
+        `where: field=value: expected ...` at the first field that breaks one."""
+        if not isinstance(config, dict):
+            raise BundleError(f"{where}: expected a JSON object, found {type(config).__name__}")
+        for name, (required, what, ok) in TEXT_FIELDS.items():
+            if name not in config:
+                if required:
+                    raise BundleError(f"{where}: {name}: missing")
+            elif not ok(config[name]) or name.endswith("_token_id") and config[name] >= config["vocab_size"]:
+                what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
+                raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
+        return cls(**{f.name: config.get(f.name) for f in fields(cls)})
 
 
-def assistant_entry(spec, draft_tokens: int, producers: dict[str, int]) -> dict:
-    """`assistant`: what the runtime needs to drive the drafter's package and its head (an AssistantSpec; the
-    target layer whose K/V each of its layer types reads)."""
-    return {
-        "draft_tokens": draft_tokens,
-        "hidden_size": spec.hidden_size,
-        "backbone_hidden_size": spec.backbone_hidden_size,
-        "num_centroids": spec.num_centroids,
-        "centroid_top_k": spec.centroid_top_k,
-        "producers": producers,
-    }
+@dataclass(frozen=True)
+class AssistantConfig:
+    """`assistant`: what the runtime needs to drive the drafter's package and its head (from an AssistantSpec;
+    `producers`: the target layer whose K/V each of its layer types reads). Every field is required."""
+
+    draft_tokens: int
+    hidden_size: int
+    backbone_hidden_size: int
+    num_centroids: int
+    centroid_top_k: int
+    producers: dict[str, int]
+
+    @classmethod
+    def of(cls, spec, draft_tokens: int, producers: dict[str, int]) -> AssistantConfig:
+        return cls(
+            draft_tokens,
+            spec.hidden_size,
+            spec.backbone_hidden_size,
+            spec.num_centroids,
+            spec.centroid_top_k,
+            producers,
+        )
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, config: dict, where: str) -> AssistantConfig:
+        """config["assistant"] after ASSISTANT_FIELDS' rules (which read the text fields of `config` too)."""
+        return cls(**_check_entry(where, config, ASSISTANT, ASSISTANT_FIELDS))
 
 
 VISION_TOKEN_IDS = ("boi_token_id", "image_token_id", "eoi_token_id")
 
 
-def vision_entry(spec, image_tokens: int) -> dict:
-    """`vision`: what the host needs to preprocess an image and build `encode`'s inputs (a VisionSpec)."""
-    return {
-        "image_tokens": image_tokens,
-        "patch_size": spec.patch_size,
-        "pooling_kernel_size": spec.pooling_kernel_size,
-        "head_dim": spec.head_dim,
-        "rope_theta": spec.rope_theta,
-        "position_table": VISION_POSITION_TABLE,
-        **dict(zip(VISION_TOKEN_IDS, spec.token_ids)),
-    }
+@dataclass(frozen=True)
+class VisionConfig:
+    """`vision`: what the host needs to preprocess an image and build `encode`'s inputs (from a VisionSpec).
+    Every field is required."""
+
+    image_tokens: int
+    patch_size: int
+    pooling_kernel_size: int
+    head_dim: int
+    rope_theta: float
+    position_table: str
+    boi_token_id: int
+    image_token_id: int
+    eoi_token_id: int
+
+    @classmethod
+    def of(cls, spec, image_tokens: int) -> VisionConfig:
+        return cls(
+            image_tokens,
+            spec.patch_size,
+            spec.pooling_kernel_size,
+            spec.head_dim,
+            spec.rope_theta,
+            VISION_POSITION_TABLE,
+            *spec.token_ids,
+        )
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, config: dict, where: str) -> VisionConfig:
+        """config["vision"] after VISION_FIELDS' rules (which read the text fields of `config` too)."""
+        return cls(**_check_entry(where, config, VISION, VISION_FIELDS))
 
 
-def model_config(text: dict, **entries: dict) -> dict:
-    """The whole file: the text entry, then each one-function model's entry under its name."""
-    return {**text, **entries}
+ENTRIES = {ASSISTANT: AssistantConfig, VISION: VisionConfig}  # the one-function models' entries by name
+
+
+def model_config(text: TextConfig, **entries) -> dict:
+    """The whole file: the text entry, then each one-function model's entry (a record of ENTRIES) under its name.
+    Unchecked: its writers check it (`check_model_config`) where they can name the file."""
+    return {**text.to_json(), **{name: entry.to_json() for name, entry in entries.items()}}
 
 
 # -- the rules, on write and on read ----------------------------------------------------------------------------
@@ -176,20 +280,12 @@ VISION_FIELDS = {
 
 
 def check_model_config(config, where: str) -> None:
-    """The rules every model_config.json meets, written or read: a BundleError `where: field=value: expected ...`
-    at the first field that breaks one."""
-    if not isinstance(config, dict):
-        raise BundleError(f"{where}: expected a JSON object, found {type(config).__name__}")
-    for name, (required, what, ok) in TEXT_FIELDS.items():
-        if name not in config:
-            if required:
-                raise BundleError(f"{where}: {name}: missing")
-        elif not ok(config[name]) or name.endswith("_token_id") and config[name] >= config["vocab_size"]:
-            what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
-            raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
-    for key, fields in ((ASSISTANT, ASSISTANT_FIELDS), (VISION, VISION_FIELDS)):
+    """The rules every model_config.json meets, written or read: its records' `from_json`, so a BundleError
+    `where: field=value: expected ...` at the first field that breaks one."""
+    TextConfig.from_json(config, where)
+    for key, record in ENTRIES.items():
         if key in config:
-            _check_entry(where, config, key, fields)
+            record.from_json(config, where)
     if ASSISTANT in config and SLIDING in config[ASSISTANT]["producers"] and "sliding_window" not in config:
         raise BundleError(f"{where}: sliding_window: missing (the assistant's sliding layers need it)")
 
@@ -199,16 +295,17 @@ def _short(value) -> str:
     return value if len(value) <= 40 else value[:37] + "..."
 
 
-def _check_entry(where: str, config: dict, key: str, fields: dict) -> None:
-    """config[key], an object whose every field is required and must pass its test."""
+def _check_entry(where: str, config: dict, key: str, rules: dict) -> dict:
+    """config[key], an object whose every field is required and must pass its test: its fields by name."""
     entry = config[key]
     if not isinstance(entry, dict):
         raise BundleError(f"{where}: {key}: expected a JSON object, found {type(entry).__name__}")
-    for name, (what, ok) in fields.items():
+    for name, (what, ok) in rules.items():
         if name not in entry:
             raise BundleError(f"{where}: {key}.{name}: missing")
         if not ok(entry[name], entry, config):
             raise BundleError(f"{where}: {key}.{name}={_short(entry[name])}: expected {what}")
+    return {name: entry[name] for name in rules}
 
 
 def read_model_config(root: Path) -> dict:

@@ -61,10 +61,10 @@ def draft_io(spec: AssistantSpec, plan: ChunkPlan) -> Chunk:
     )
 
 
-def config_entry(spec: AssistantSpec, plan: ChunkPlan) -> dict:
+def config_entry(spec: AssistantSpec, plan: ChunkPlan) -> schema.AssistantConfig:
     """model_config.json's `assistant` (bundle.schema's): what the runtime needs to drive the package and its
     head."""
-    return schema.assistant_entry(spec, plan.draft_tokens, producers(spec))
+    return schema.AssistantConfig.of(spec, plan.draft_tokens, producers(spec))
 
 
 # -- the checkpoint and the conversion ----------------------------------------------------------------

@@ -100,7 +100,7 @@ def convert(
 def model_config(root: Path, plan: ChunkPlan, options: ConvertOptions, name: str, components: list) -> dict:
     """The bundle's model_config.json, checked by the rules `load` reads it with: a checkpoint whose config would
     make a bundle `load` refuses is refused here, naming the field, before anything is converted."""
-    text = schema.text_entry(plan.spec, plan, options.bits, options.layout, name)
+    text = schema.TextConfig.of(plan.spec, plan, options.bits, options.layout, name)
     config = schema.model_config(text, **{c.name: c.config_entry() for c in components})
     try:
         schema.check_model_config(config, f"{root / 'config.json'}: the bundle's {layout.MODEL_CONFIG}")

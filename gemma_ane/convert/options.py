@@ -8,12 +8,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..errors import ConversionError
 from ..files import stop_point
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import MAX_DRAFT_TOKENS
 
 
-class ConvertError(ValueError):
+class ConvertError(ConversionError):
     """A conversion that cannot proceed; the message names the option, file or value."""
 
 

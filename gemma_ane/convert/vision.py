@@ -16,7 +16,8 @@ from ..files import tree_size
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import VisionSpec
 from . import coreml
-from .models.vision import FUNCTION, checked_tensor, encode_io, load_vision
+from .models.load import checked_tensor
+from .models.vision import FUNCTION, encode_io, load_vision
 from .options import ConvertError, ConvertOptions
 
 
@@ -56,10 +57,10 @@ def position_table(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int) -> np.
     return table[:, : spec.max_position(image_tokens)].astype(np.float16)
 
 
-def config_entry(spec: VisionSpec, image_tokens: int) -> dict:
+def config_entry(spec: VisionSpec, image_tokens: int) -> schema.VisionConfig:
     """model_config.json's `vision` (bundle.schema's): what the host needs to preprocess an image and build
     `encode`'s inputs."""
-    return schema.vision_entry(spec, image_tokens)
+    return schema.VisionConfig.of(spec, image_tokens)
 
 
 # -- conversion -------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ...spec import FULL, SLIDING, AssistantSpec, Chunk, kv_name
-from ..options import ConvertError
+from .load import load_module
 from .ops import RMSNorm
 from .text import MLP, Attention
 
@@ -119,15 +119,11 @@ def load_assistant(
     ckpt: Checkpoint, spec: AssistantSpec, package: Chunk, dtype=torch.float32, fp16_range: bool = False
 ) -> AssistantModel:
     """Fill the model from the checkpoint (open_assistant's); with fp16_range a weight beyond fp16 is refused."""
-    model = skeleton(spec, package).to(dtype).to_empty(device="cpu")
-    with torch.no_grad():
-        for name, value in model.state_dict().items():  # these share the parameters' storage
-            src = "model.embed_tokens.weight" if name == "lm_head.weight" else name
-            w = torch.from_numpy(ckpt[src]).reshape(value.shape)
-            if not torch.isfinite(w).all() or (fp16_range and w.abs().max() > 65504):
-                raise ConvertError(f"--assistant {ckpt.root}: {src}: values beyond the float16 range")
-            value.copy_(w)
-        for m in model.modules():  # non-persistent buffers are not in the checkpoint
-            if isinstance(m, RMSNorm):
-                m.sqrt_eps.fill_(m.eps**0.5)
+    model = load_module(
+        lambda: skeleton(spec, package),
+        ckpt,
+        dtype=dtype,
+        fp16_range=fp16_range,
+        source=lambda name: "model.embed_tokens.weight" if name == "lm_head.weight" else name,
+    )
     return model.eval()

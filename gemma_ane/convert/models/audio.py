@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...audio import MEL_BINS
+from ...errors import ConversionError
 from .ops import RMSNorm
 from .vision import BOUNDS, ClippableLinear
 
@@ -50,7 +51,7 @@ MASK_VALUE = -1e4
 FP16_MAX = 65504.0
 
 
-class AudioTowerError(ValueError):
+class AudioTowerError(ConversionError):
     """A config or checkpoint the audio tower cannot be built from; one line naming the field or tensor."""
 
 

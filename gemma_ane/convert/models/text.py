@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...spec import Chunk, ChunkPlan, ModelSpec, kv_name
+from .load import load_module
 from .ops import RMSNorm, rope
 
 
@@ -219,30 +220,17 @@ class ChunkModel(nn.Module):
 
 
 def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_range: bool = False) -> ChunkModel:
-    """Build a chunk straight in `dtype` and fill it from a Checkpoint, one tensor at a time (the LM
-    head is the tied embedding). At full size a chunk is gigabytes: it is laid out on the meta
-    device, so no random initialisation runs and no second copy of the weights exists at any point.
-    With fp16_range (conversion: the program stores fp16) a weight beyond fp16 is refused by name."""
-    with torch.device("meta"):
-        model = ChunkModel(plan, chunk)
-    model = model.to(dtype).to_empty(device="cpu")
+    """Build a chunk straight in `dtype` and fill it from a Checkpoint by `load_module` (the LM head is the tied
+    embedding). With fp16_range (conversion: the program stores fp16) a weight beyond fp16 is refused by name."""
+    model = load_module(
+        lambda: ChunkModel(plan, chunk),
+        ckpt,
+        dtype=dtype,
+        fp16_range=fp16_range,
+        source=lambda name: "embed_tokens.weight" if name == "lm_head.weight" else name,
+        skip=chunk.states,
+    )
     with torch.no_grad():
-        for name, value in model.state_dict().items():  # these share the parameters' storage
-            if name in chunk.states:
-                continue
-            src = "embed_tokens.weight" if name == "lm_head.weight" else name
-            shape = ckpt.shape_of(src)
-            n = shape[0] if len(shape) >= 2 else 1
-            rows = value.reshape(n, -1)
-            for start in range(0, n, 16384):  # the LM head is 1.6 GB in fp32: in blocks of rows
-                block = torch.from_numpy(ckpt.rows(src, start, start + 16384) if n > 1 else ckpt[src])
-                block = block.reshape(-1, rows.shape[1])
-                if not torch.isfinite(block).all() or (fp16_range and block.abs().max() > 65504):
-                    raise ValueError(f"{src}: values beyond the float16 range")
-                rows[start : start + len(block)] = block
-        for m in model.modules():  # non-persistent buffers are not in the checkpoint
-            if isinstance(m, RMSNorm):
-                m.sqrt_eps.fill_(m.eps**0.5)
         model.reset_state()
     return model.eval()
 

@@ -22,14 +22,13 @@ token embeddings are (Gemma4Model.forward's masked_scatter).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...checkpoint import Checkpoint, CheckpointError
+from ...checkpoint import Checkpoint
 from ...spec import Chunk, Tensor, VisionSpec
-from ..options import ConvertError
+from .load import load_module
 from .ops import RMSNorm
 
 FUNCTION = "encode"
@@ -204,33 +203,19 @@ class VisionModel(nn.Module):
 # -- the checkpoint ---------------------------------------------------------------------------------------------
 
 
-def checked_tensor(ckpt: Checkpoint, name: str, shape: tuple, fp16_range: bool) -> np.ndarray:
-    try:
-        found = ckpt.shape_of(name) if name in ckpt else None
-        if found != tuple(shape):
-            raise ConvertError(f"{ckpt.root}: tensor {name} " + ("missing" if found is None else f"has shape {found}"))
-        w = np.asarray(ckpt[name], np.float32)  # a bf16 scalar comes back as a numpy scalar
-    except CheckpointError as e:
-        raise ConvertError(str(e)) from None
-    if name.endswith(BOUNDS):  # any value: ClippableLinear.freeze_bounds leaves out those beyond fp16
-        return w
-    if not np.isfinite(w).all() or (fp16_range and np.abs(w).max() > 65504):
-        raise ConvertError(f"{ckpt.root}: {name}: values beyond the float16 range")
-    return w
-
-
 def load_vision(ckpt: Checkpoint, spec: VisionSpec, image_tokens: int = 280, dtype=torch.float32, fp16_range=False):
-    """A VisionModel filled from the checkpoint: laid out on the meta device, then each tensor copied in."""
-    with torch.device("meta"):
-        model = VisionModel(spec, image_tokens)
-    model = model.to(dtype).to_empty(device="cpu")
+    """A VisionModel filled from the checkpoint by `load_module`."""
+    model = load_module(
+        lambda: VisionModel(spec, image_tokens),
+        ckpt,
+        dtype=dtype,
+        fp16_range=fp16_range,
+        source=lambda name: "model." + name,
+        any_value=BOUNDS,  # ClippableLinear.freeze_bounds leaves out those beyond fp16
+    )
     with torch.no_grad():
-        for name, value in model.state_dict().items():  # these share the parameters' storage
-            value.copy_(torch.from_numpy(checked_tensor(ckpt, "model." + name, value.shape, fp16_range)))
         for m in model.modules():  # non-persistent buffers are not in the checkpoint
-            if isinstance(m, RMSNorm):
-                m.sqrt_eps.fill_(m.eps**0.5)
-            elif isinstance(m, VisionAttention):
+            if isinstance(m, VisionAttention):
                 m.rotation.copy_(quarter_rotation(m.head_dim))
             elif isinstance(m, ClippableLinear):
                 m.freeze_bounds()
