@@ -24,13 +24,14 @@ import numpy as np
 
 from .bundle import layout
 from .checkpoint import Checkpoint
+from .errors import InputError
 from .files import sha256_file
 from .tokens import BOS
 
 ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
 
 
-class EvalError(ValueError):
+class EvalError(InputError):
     """An evaluation that cannot run; the message names the file, option or field."""
 
 
