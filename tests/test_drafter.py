@@ -554,7 +554,7 @@ def test_a_device_that_refuses_the_drafter_decodes_without_drafts_after_one_warn
     assert drafted.tokens == again.tokens == plain.tokens and drafted.acceptance_rate == 0.0
 
 
-# -- the runtime with drafts, against transformers' assisted decoding ----------------------------------------------
+# -- the runtime with drafts, against transformers at every step ---------------------------------------------------
 
 
 def _verified_rows(engine, ids, tokens):
