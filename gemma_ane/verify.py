@@ -19,21 +19,39 @@ from .host import dequantize_rows, quantize_rows, rope_tables
 from .images import MAX_PIXELS
 from .spec import ChunkPlan, ModelSpec
 
-FP32_MIN_TOP1, FP32_MIN_COSINE = 1.0, 0.9999
+FP32_MIN_COSINE = 0.9999
 # fp16 runs (graph or bundle): the chunks compute in fp16 and transformers in fp32; measured on the
 # tiny presets (see README) and bounded with margin.
 FP16_MIN_TOP1, FP16_MIN_COSINE = 0.97, 0.999
+# An fp32 top-1 miss is a near-tie, not a failure, when the reference's top logit is at most 2 x this above its
+# logit for our token (with every logit within this of the reference's, no wider miss can happen): the fp32 graph's
+# max |logit diff| on the tiny presets is 0.004 (README), and the tests hold it below this.
+FP32_LOGIT_ERR = 1e-2
 
 
-def compare(ours: np.ndarray, ref: np.ndarray) -> dict:
-    """Per-position agreement of two [N, V] logit arrays."""
+def compare(ours: np.ndarray, ref: np.ndarray, first: int = 0) -> dict:
+    """Per-position agreement of two [N, V] logit arrays. Each top-1 miss is listed with the reference's gap
+    between its top token and ours (`ref_gap`, >= 0; a near-tie when small), `position` counting from `first`
+    (the position of row 0); `max_miss_gap` is the widest (0.0 without misses)."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     cos = (ours * ref).sum(-1) / (np.linalg.norm(ours, axis=-1) * np.linalg.norm(ref, axis=-1) + 1e-30)
+    mine, theirs = ours.argmax(-1), ref.argmax(-1)
+    misses = [
+        {
+            "position": first + int(i),
+            "ours": int(mine[i]),
+            "ref": int(theirs[i]),
+            "ref_gap": float(ref[i, theirs[i]] - ref[i, mine[i]]),
+        }
+        for i in np.flatnonzero(mine != theirs)
+    ]
     return {
-        "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+        "top1_agreement": float((mine == theirs).mean()),
         "min_cosine": float(cos.min()),
         "mean_cosine": float(cos.mean()),
         "max_abs_logit_diff": float(np.abs(ours - ref).max()),
+        "top1_misses": misses,
+        "max_miss_gap": max((m["ref_gap"] for m in misses), default=0.0),
     }
 
 
@@ -233,7 +251,7 @@ def verify_bundle(
         "context": engine.context,
         "window": engine.window,
         "seed": seed,
-        **compare(ours, ref),
+        **compare(ours, ref, first),
     }
     if images:  # what generation reads: the rows of text (an image row's logits feed nothing)
         report["image_tokens"] = sum(len(image.keys) for image in soft)
@@ -324,5 +342,8 @@ def _prompt_len(prompt_len, tokens):
 
 
 def passed(report: dict) -> bool:
-    top1, cos = (FP32_MIN_TOP1, FP32_MIN_COSINE) if report["precision"] == "fp32" else (FP16_MIN_TOP1, FP16_MIN_COSINE)
-    return report["top1_agreement"] >= top1 and report["min_cosine"] >= cos
+    """fp32: every position's top-1 agrees but for near-ties (the reference's top two within 2 x FP32_LOGIT_ERR),
+    cosine >= 0.9999; fp16: top-1 >= 0.97 (misses counted, ties or not), cosine >= 0.999."""
+    if report["precision"] == "fp32":
+        return report["max_miss_gap"] <= 2 * FP32_LOGIT_ERR and report["min_cosine"] >= FP32_MIN_COSINE
+    return report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE

@@ -57,3 +57,24 @@ def assert_greedy_prefix(ours, ref, ref_rows, err: float, min_steps: int, where=
     if tie < min(len(ours), n):
         assert_argmax(ours[tie], ref_rows[tie], err, f"{where} step {tie}")
     return tie
+
+
+def assert_top1(report: dict, err: float, where="") -> int:
+    """A verify report's (`gemma_ane.verify.compare`) top-1 agreement, margin-aware: at every position where ours'
+    argmax is not the reference's, the reference's top logit is at most 2 x err above its logit for our token.
+    `err` is a stated bound on the |logit error| of the two computations, not the run's own max |logit diff|
+    (against which every miss is a near-tie by construction). Returns the number of (tied) misses."""
+    wide = [m for m in report["top1_misses"] if m["ref_gap"] > 2 * err]
+    assert not wide, f"{where}: top-1 misses that are no near-tie (reference gap > 2 x {err}): {wide}"
+    return len(report["top1_misses"])
+
+
+def repetition_penalised(rows, history, generated, penalty: float) -> np.ndarray:
+    """transformers' RepetitionPenaltyLogitsProcessor on rows[i], the logits that chose generated[i]: each token of
+    history + generated[:i] divided by `penalty` where positive, multiplied where negative (the runtime's rule too).
+    For measuring our rows' error against the scores transformers' greedy `generate` chose from."""
+    out = np.array(rows, np.float64)
+    for i, row in enumerate(out):
+        seen = np.unique(np.asarray(list(history) + list(generated[:i]), np.int64))
+        row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+    return out

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from margins import assert_argmax
+from margins import assert_argmax, repetition_penalised
 from safetensors.numpy import load_file, save_file
 
 from gemma_ane.bundle import BundleError, RowTable, check_bundle, load_host, read_model_config
@@ -548,40 +548,58 @@ def test_a_device_that_refuses_the_drafter_decodes_without_drafts_after_one_warn
     assert drafted.tokens == again.tokens == plain.tokens and drafted.acceptance_rate == 0.0
 
 
-# -- the runtime with drafts, against transformers' assisted decoding ----------------------------------------------
+# -- the runtime with drafts, against transformers at every step ---------------------------------------------------
 
 
-def test_drafted_greedy_equals_transformers_assisted_generate(bundle16, pair):
-    """The bundle's runtime with its converted drafter, 3 drafts a verify call, against transformers' assisted
-    `generate` with the same drafter (whose greedy output is the target's plain greedy output): 40 new tokens
-    after a 14-token prompt, across the window three times and the ring once (positions 0-53 of a ring of 48)."""
-    from transformers import Gemma4AssistantForCausalLM
+def _verified_rows(engine, ids, tokens):
+    """Our logits rows for each of `tokens` after the prompt `ids`, computed as drafted decoding computes them:
+    verify calls of verify_batch tokens wherever one fits, single steps elsewhere (teacher-forced: every row kept)."""
+    engine.reset()
+    rows, seq = [engine.feed(ids)[-1]], list(ids) + list(tokens)
+    while len(rows) < len(tokens):
+        p, t = engine.position, engine.verify_batch
+        if engine.can_verify() and p + t <= len(seq):
+            got, hidden = engine.verify(seq[p : p + t])
+            engine.accept(p + t, hidden[-1])
+            rows += list(got)
+        else:
+            rows += engine.feed([seq[p]])
+    return np.stack(rows[: len(tokens)])
 
+
+def test_drafted_greedy_equals_transformers_at_every_step(bundle16, pair):
+    """The bundle's runtime with its converted drafter, 3 drafts a verify call, and without it, against the target
+    in transformers: 40 new tokens after a 14-token prompt, across the window three times and the ring once
+    (positions 0-53 of a ring of 48). Each step of each run is checked against transformers' forward pass over that
+    run's own tokens (greedy, penalised as generate does), so a near-tie taken the other way changes what follows
+    without ending the check: every token must be transformers' choice, or one of its near-tied ones, for the
+    error measured for that run's own computation (our rows along its tokens: single steps for plain decoding,
+    verify calls for drafted decoding)."""
     import gemma_ane
+    from gemma_ane.backend import open_engine
+    from gemma_ane.verify import oracle_model, run_engine
 
     model = gemma_ane.load(bundle16, backend="mil")
     prompt = "the cat sat on the mat and then"
     r = model.generate(prompt, raw=True, temperature=0, max_tokens=40, repetition_penalty=2.0, draft_tokens=K)
-    ids = model.prompt_ids(prompt, raw=True)
-    tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
-    from gemma_ane.verify import oracle_model
-
-    target = oracle_model(Checkpoint(pair[0]), tables)
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(pair[1]).eval()
-    with torch.no_grad():
-        ref = target.generate(
-            torch.tensor([ids]),
-            assistant_model=assistant,
-            max_new_tokens=len(r.tokens),
-            do_sample=False,
-            repetition_penalty=2.0,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(ids) :].tolist()
     plain = model.generate(prompt, raw=True, temperature=0, max_tokens=40, repetition_penalty=2.0)
-    assert plain.tokens == r.tokens and plain.tokens_per_verify == 0.0 and r.tokens_per_verify >= 1.0
+    ids = model.prompt_ids(prompt, raw=True)
+    assert plain.tokens_per_verify == 0.0 and r.tokens_per_verify >= 1.0
     assert r.finish_reason == "length" and len(ids) + len(r.tokens) > 3 * W + 5
-    assert r.tokens == ref
+    tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
+    target = oracle_model(Checkpoint(pair[0]), tables)
+    engine = open_engine(bundle16, "mil", "fp16")  # gemma_ane.load's precision
+    for name, tokens, ours in (
+        ("plain", plain.tokens, run_engine(engine, np.asarray(ids + plain.tokens), len(ids), "last")),
+        ("drafted", r.tokens, _verified_rows(engine, ids, r.tokens)),
+    ):
+        with torch.no_grad():
+            logits = target(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].numpy()
+        ref_rows = repetition_penalised(logits, ids, tokens, 2.0)
+        err = float(np.abs(repetition_penalised(ours[: len(tokens)], ids, tokens, 2.0) - ref_rows).max())
+        clear = sum(assert_argmax(t, row, err, f"{name} step {i}") for i, (t, row) in enumerate(zip(tokens, ref_rows)))
+        # measured: plain err 0.11, 37 of 40 steps clear; drafted err 0.17, 34 clear
+        assert clear >= 30, f"{name}: only {clear} of {len(tokens)} steps had a clear margin (err {err:.3g})"
 
 
 def test_the_command_line_drafts_and_reports_it(bundle16, capsys):

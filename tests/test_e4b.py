@@ -6,10 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from margins import assert_top1
 
 from gemma_ane.spec import ChunkPlan, ModelSpec
 from gemma_ane.tiny import write_tiny
-from gemma_ane.verify import FP16_MIN_COSINE, verify_bundle, verify_graph
+from gemma_ane.verify import FP16_MIN_COSINE, FP32_LOGIT_ERR, verify_bundle, verify_graph
+
+# The fp16 bundle's |logit error| against transformers, for argmax checks (margins.assert_top1): measured max |logit
+# diff| 0.41 over 96 positions (seed 0)
+FP16_LOGIT_ERR = 0.5
 
 E4B = Path(__file__).parent / "fixtures" / "e4b_config.json"
 
@@ -49,7 +54,8 @@ def tiny_e4b(tmp_path_factory) -> Path:
 
 def test_e4b_mini_graph_matches_transformers(tiny_e4b):
     r = verify_graph(tiny_e4b, tokens=72, prompt_len=11, precision="fp32")
-    assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= 0.9999, r
+    assert_top1(r, FP32_LOGIT_ERR, "e4b-mini fp32 graph")
+    assert r["passed"] and r["min_cosine"] >= 0.9999, r
 
 
 @pytest.mark.slow
@@ -59,4 +65,5 @@ def test_e4b_mini_bundle_matches_transformers(tiny_e4b, tmp_path):
     convert(str(tiny_e4b), str(tmp_path / "bundle"), ConvertOptions(context=128, bits=16, vision=False), progress=False)
     r = verify_bundle(tiny_e4b, tmp_path / "bundle", tokens=96, precision="fp16", prompt_len=13)
     # measured: top-1 1.0, min cosine 0.99965; the documented fp16 bounds are 0.97 and 0.999
-    assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= FP16_MIN_COSINE, r
+    assert_top1(r, FP16_LOGIT_ERR, "e4b-mini fp16 bundle")
+    assert r["passed"] and r["min_cosine"] >= FP16_MIN_COSINE, r

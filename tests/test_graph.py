@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from margins import assert_top1
 
 from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert.models.ops import RMSNorm
@@ -12,6 +13,7 @@ from gemma_ane.spec import ChunkPlan
 from gemma_ane.verify import (
     FP16_MIN_COSINE,
     FP16_MIN_TOP1,
+    FP32_LOGIT_ERR,
     compare,
     host_from_checkpoint,
     oracle_logits,
@@ -61,12 +63,14 @@ def test_every_position_matches_transformers_fp32(e2b_setup, cuts):
     ids = random_ids(ckpt.spec, 80, seed=len(cuts))  # 80 = 5 windows of 16
     ours = feed_segments(engine, ids, cuts)
     r = compare(ours, oracle_logits(oracle, ids))
-    assert r["top1_agreement"] == 1.0 and r["min_cosine"] >= 0.9999, r
+    assert_top1(r, FP32_LOGIT_ERR, f"cuts {cuts}")
+    assert r["min_cosine"] >= 0.9999, r
 
 
 def test_gqa_preset_matches_transformers(tiny_gqa):
     r = verify_graph(tiny_gqa, tokens=72, prompt_len=11, precision="fp32")
-    assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= 0.9999, r
+    assert_top1(r, FP32_LOGIT_ERR, "gqa-mini fp32 graph")
+    assert r["passed"] and r["min_cosine"] >= 0.9999, r
 
 
 @pytest.mark.slow

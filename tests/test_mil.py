@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
+from margins import assert_top1
 
 from gemma_ane.mil import OPS, ExecutionError, MILModel, MILState
 from gemma_ane.package import Package, PackageError
@@ -30,6 +31,10 @@ FP16, FP32, INT32 = types.fp16, types.fp32, types.int32
 IOS18 = ct.target.iOS18
 CONTEXT = 128
 WEIGHTS = Path("Data/com.apple.CoreML/weights")
+# The |logit error| of a bundle run by the executor against transformers or the torch graph, for argmax checks
+# (margins.assert_top1). Measured max |logit diff| (e2b-mini and gqa-mini, 24-96 positions): fp32 executor 0.16 (the
+# bundle's weights are fp16), fp16 executor 0.16-0.31, the 4-bit fp32 executor against its own weights 0.10.
+BUNDLE_LOGIT_ERR = 0.4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -1009,7 +1014,7 @@ def test_bits16_bundle_matches_transformers(bundle16, tiny_e2b, precision):
     # (fp32 is not exact: the bundle's weights themselves are fp16.) Both meet the issue's bar.
     assert report["mode"] == "bundle" and report["precision"] == precision
     assert report["positions"] == 96 and report["prompt_tokens"] == 13 and report["window"] == 16
-    assert report["top1_agreement"] == 1.0, report
+    assert_top1(report, BUNDLE_LOGIT_ERR, f"{precision} executor vs transformers")
     assert report["min_cosine"] >= 0.9999, report
     assert report["passed"] is True
 
@@ -1041,7 +1046,8 @@ def test_gqa_bundle_matches_the_graph_and_transformers(gqa16, tiny_gqa):
     # Measured: vs the fp16 graph top-1 1.0, min cosine 0.99990; vs transformers (fp16
     # executor) top-1 1.0, min cosine 0.999967 (fp32 executor: 0.999994).
     assert graph["top1_agreement"] >= 0.97 and graph["min_cosine"] >= 0.999, graph
-    assert oracle["top1_agreement"] == 1.0 and oracle["min_cosine"] >= 0.9999, oracle
+    assert_top1(oracle, BUNDLE_LOGIT_ERR, "gqa fp16 executor vs transformers")
+    assert oracle["min_cosine"] >= 0.9999, oracle
 
 
 def _dequantised_linear_weights(package: Path, function: str = "infer") -> dict:
@@ -1104,7 +1110,8 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     # that graph: min cosine 0.9995-0.9998. Against the unquantised graph: min cosine 0.64-0.76.
     # (fp16 executor vs an fp16 graph is not used: two independent fp16 roundings of this 4-bit
     # model compound to 0.9987 on seed 0, each alone staying >= 0.9995 from fp32.)
-    assert exact["top1_agreement"] == 1.0 and exact["min_cosine"] >= 0.9999, exact
+    assert_top1(exact, BUNDLE_LOGIT_ERR, "4-bit fp32 executor vs the graph with its weights")
+    assert exact["min_cosine"] >= 0.9999, exact
     assert half["top1_agreement"] >= 0.97 and half["min_cosine"] >= 0.999, half
     assert control["min_cosine"] < 0.99, control
 
@@ -1113,9 +1120,12 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
 # rounding of different intermediate values and is held to fp16 tolerance.
 # Measured, seeds 0/2/5, 40 tokens: fp32 min cosine >= 0.99999996, cache diff <= 1e-4;
 # fp16 min cosine 0.99990-0.99998, cache diff <= 0.016 on values up to ~3.7
-# (the torch graph's own prefill-vs-infer gap in fp16 is the same size: 0.99993).
-@pytest.mark.parametrize("precision,min_cosine,cache_atol", [("fp32", 0.999999, 1e-3), ("fp16", 0.999, 3e-2)])
-def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol):
+# (the torch graph's own prefill-vs-infer gap in fp16 is the same size: 0.99993). Max |logit diff|
+# (seed 2): fp32 0.0096, fp16 0.18; logit_err bounds it for the argmax check.
+@pytest.mark.parametrize(
+    "precision,min_cosine,cache_atol,logit_err", [("fp32", 0.999999, 1e-3, 2e-2), ("fp16", 0.999, 3e-2, 0.25)]
+)
+def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol, logit_err):
     from gemma_ane.backend import open_engine
     from gemma_ane.verify import compare, random_ids, run_engine
 
@@ -1136,7 +1146,7 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
     assert all(f == "infer" for _, f in calls["single"])
 
     report = compare(a, b)
-    assert report["top1_agreement"] == 1.0, report
+    assert_top1(report, logit_err, f"{precision} prefill_b8 vs infer")
     assert report["min_cosine"] >= min_cosine, report
     for i in (0, 1):  # chunk_1 and chunk_2 hold the caches
         sa, sb = batched.states[i].arrays, single.states[i].arrays
@@ -1197,7 +1207,8 @@ def test_cli_verify_bundle_json(bundle16, tiny_e2b, capsys):
     assert report["mode"] == "bundle" and graph["mode"] == "graph"
     assert report["positions"] == 24 and report["context"] == CONTEXT and report["window"] == 16
     assert report["precision"] in ("fp16", "fp32")
-    assert report["top1_agreement"] == 1.0 and report["min_cosine"] >= 0.9999 and report["passed"] is True
+    assert_top1(report, BUNDLE_LOGIT_ERR, f"{report['precision']} CLI bundle vs transformers")
+    assert report["min_cosine"] >= 0.9999 and report["passed"] is True
     # the issue: "The output has the same JSON fields as the graph mode"
     assert set(report) == set(graph), (sorted(set(graph) - set(report)), sorted(set(report) - set(graph)))
 
