@@ -21,8 +21,48 @@ class SamplingError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class Field:
+    """One sampling parameter, declared once: SamplingParams checks it by this, the CLI makes its flag from it
+    (`--top-k`, with `help`) and the server its JSON field's type check."""
+
+    name: str
+    kind: type  # float, int, or dict (logit_bias)
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is out of range
+
+    def check(self, value) -> None:
+        """A SamplingError naming the field unless `value` is of its kind and within its bounds (not None)."""
+        name, integer = self.name, self.kind is int
+        kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not np.isfinite(value):
+            raise SamplingError(f"{name}={value!r}: expected {'an integer' if integer else 'a number'}", param=name)
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            raise SamplingError(f"{name}={value!r}: must be {'>' if self.lo_open else '>='} {self.lo}", param=name)
+        if self.hi is not None and value > self.hi:
+            raise SamplingError(f"{name}={value!r}: must be <= {self.hi}", param=name)
+
+
+FIELDS = (
+    Field("temperature", float, "0 decodes greedily (default: the bundle's generation config)", 0.0),
+    Field("top_k", int, "draw from the k most likely tokens only (0: all)", 0),
+    Field("top_p", float, "draw from the fewest most likely tokens holding this probability", 0.0, 1.0, True),
+    Field("min_p", float, "drop tokens less likely than this fraction of the most likely one", 0.0, 1.0),
+    Field("repetition_penalty", float, "divide positive, multiply negative logits of tokens seen", 0.0, None, True),
+    Field("presence_penalty", float, "subtract this from the logit of every token seen", -2.0, 2.0),
+    Field("frequency_penalty", float, "subtract this times its count from the logit of every token seen", -2.0, 2.0),
+    Field("seed", int, "seed of the random stream: the same seed draws the same tokens", 0),
+    Field("logprobs", int, "report each token's logprob and this many most likely alternatives", 0, 20),
+    Field("logit_bias", dict, "add BIAS in [-100, 100] to token ID's logit (-100 bans it); as ID=BIAS, repeatable"),
+)
+
+
 @dataclass
 class SamplingParams:
+    """The sampling fields (their bounds and help: FIELDS)."""
+
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -41,34 +81,12 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Check every field (and the logit bias's ids against `vocab_size` when given); returns self."""
-
-        def num(name, lo=None, hi=None, lo_open=False, integer=False):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (integer and not float(v).is_integer())
-                or not np.isfinite(v)
-            ):
-                raise SamplingError(f"{name}={v!r}: expected {'an integer' if integer else 'a number'}", param=name)
-            if lo is not None and (v <= lo if lo_open else v < lo):
-                raise SamplingError(f"{name}={v!r}: must be {'>' if lo_open else '>='} {lo}", param=name)
-            if hi is not None and v > hi:
-                raise SamplingError(f"{name}={v!r}: must be <= {hi}", param=name)
-
-        num("temperature", 0.0)
-        num("top_k", 0, integer=True)
-        num("top_p", 0.0, 1.0, lo_open=True)
-        num("min_p", 0.0, 1.0)
-        num("repetition_penalty", 0.0, lo_open=True)
-        num("presence_penalty", -2.0, 2.0)
-        num("frequency_penalty", -2.0, 2.0)
-        if self.logprobs is not None:
-            num("logprobs", 0, 20, integer=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer", param="seed")
-        if self.logit_bias is not None:
-            self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        for f in FIELDS:
+            value = getattr(self, f.name)
+            if f.kind is dict:
+                self.logit_bias = None if value is None else _logit_bias(value, vocab_size)
+            elif value is not None or f.name not in ("seed", "logprobs"):  # the optional ones
+                f.check(value)
         return self
 
     @classmethod

@@ -37,8 +37,8 @@ from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
 from .engine import Cancelled, ContextOverflow
 from .images import ImageError, _pil, data_url_bytes
-from .sampling import SamplingError, SamplingParams
-from .tokens import byte_symbols
+from .sampling import FIELDS, SamplingError, SamplingParams
+from .tokens import TokenBytes
 from .tools import ToolError, check_tool_choice, check_tools
 
 log = logging.getLogger("gemma_ane.server")
@@ -177,34 +177,22 @@ class Worker:
 
 # -- token strings for logprobs -----------------------------------------------------------------
 
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
 
 class Vocab:
-    """Each token's own string and bytes, as OpenAI's logprobs report them. A token that is part
-    of a multi-byte character decodes to U+FFFD on its own, so its bytes come from the piece:
-    a SentencePiece byte-fallback `<0xNN>`, or a ByteLevel BPE's remapped characters."""
+    """Each token's own string and bytes, as OpenAI's logprobs report them. A token that is part of a
+    multi-byte character decodes to U+FFFD on its own, so its bytes come from its piece (tokens.TokenBytes)."""
 
     def __init__(self, tokenizer):
-        from tokenizers import decoders
-
         self.tokenizer = tokenizer
+        self._bytes = TokenBytes(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        byte_level = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
-        # GPT-2's byte alphabet inverted: the raw byte each character of a ByteLevel piece stands for
-        self._byte_level = {c: b for b, c in enumerate(byte_symbols())} if byte_level else None
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
             text = self.tokenizer.decode([token], skip_special_tokens=False)
             raw = text.encode("utf-8")
             if "\ufffd" in text:
-                piece = self.tokenizer.id_to_token(token) or ""
-                m = _BYTE_PIECE.fullmatch(piece)
-                if m:
-                    raw = bytes([int(m.group(1), 16)])
-                elif self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
-                    raw = bytes(self._byte_level[c] for c in piece)
+                raw = self._bytes(token) or raw
             self._cache[token] = (text, list(raw))
         return self._cache[token]
 
@@ -519,12 +507,10 @@ def parse_request(
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
+    # the sampling fields as declared (logprobs, whose shape differs by endpoint, below)
     sampling = {
-        k: _field(body, k, NUMBER)
-        for k in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        f.name: _field(body, f.name, NUMBER if f.kind is float else f.kind) for f in FIELDS if f.name != "logprobs"
     }
-    sampling["top_k"] = _field(body, "top_k", int)
-    sampling["seed"] = _field(body, "seed", int)
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
         kwargs["messages"] = _messages(body, model, limits, fetched or {})
@@ -550,7 +536,7 @@ def parse_request(
         logprobs = _field(body, "logprobs", int)
         kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16)  # the legacy API's default
         lp_param = "logprobs"
-    sampling.update(logprobs=logprobs, logit_bias=_field(body, "logit_bias", dict))
+    sampling["logprobs"] = logprobs
     if getattr(model, "head", "logits") != "logits":  # the published head: chunk_3 returns the argmax alone
         for param, given in ((lp_param, logprobs), ("logit_bias", sampling["logit_bias"])):
             if given is not None:
