@@ -34,7 +34,17 @@ from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
-from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
+from .tokens import (
+    BOS,
+    EOS,
+    STOP_IDS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    TURN_CLOSE,
+    ControlTokens,
+)
 from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
 
 
@@ -54,6 +64,33 @@ class Stats:
     # verified
     acceptance_rate: float = 0.0
     tokens_per_verify: float = 0.0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a bundle can do, asked in one place (Model.prepare)."""
+
+    logits: bool  # chunk_3 returns logits; False: the published layout's argmax head (greedy only, no constraints)
+    vision: bool  # it has an image encoder
+    max_draft_tokens: int  # the most drafts a verify call checks; 0: no drafter
+
+
+@dataclass
+class Request:
+    """One generation checked and tokenized by Model.prepare; Model.stream_generate(request=...) runs it. Used
+    once: its grammar's state follows one output."""
+
+    ids: list[int]  # the prompt, each image one placeholder (expanded when it runs)
+    marks: list[int]  # turn ends: where the engine snapshots its rings
+    sources: list  # the media, in their placeholders' order
+    params: SamplingParams
+    bans: list[int]  # tokens no draw may take beyond logit_bias's (tool_choice "none": <|tool_call>)
+    stop: list[str]
+    tools: list | None
+    parallel_tool_calls: bool
+    rule: _Rule
+    drafts: int  # drafts a verify call; 0: plain decoding
+    max_tokens: int
 
 
 @dataclass
@@ -94,6 +131,11 @@ class Event(Stats):
     top_logprobs: list = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls this token completed
     finish_reason: str | None = None
+
+
+# tokens after a conversation's last turn end that are only the generation prompt ("<|turn>model\n", a thought
+# channel's opening): no later conversation parts there that would not part at the prompt's end
+_GENERATION_PROMPT = 8
 
 
 def _check(cancelled) -> None:
@@ -208,17 +250,27 @@ class Model:
         return control.encode(text, mark)
 
     def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False, tools=None) -> list[int]:
-        """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
-        rendering alone is a prefix of it: where a later conversation may part from this one (an
-        edited last message, an answer re-rendered without its thinking), so the engine
-        snapshots its rings there and reuse survives the part. Only the newest MAX_SNAPSHOTS turns:
-        the engine keeps no more snapshots than that, and each turn costs a render."""
+        """Where the messages end in `ids` (the prompt for `messages`): after each <turn|> and its newline, after
+        a message's calls (<tool_call|><|tool_response>) and after each result (<tool_response|>), found in the ids
+        themselves, without rendering again. Where a later conversation may part from this one (an edited
+        last message, an answer re-rendered without its thinking), so the engine snapshots its rings there and
+        reuse survives the part. The newest MAX_SNAPSHOTS, the engine keeping no more, before the last message's
+        own end when only the generation prompt follows it (the prompt's end is snapshotted anyway). `messages`,
+        `enable_thinking` and `tools` are what `ids` were rendered from: the ids alone now say where turns end."""
+        newline = self.encode("\n")
         ends = []
-        for k in range(max(1, len(messages) - MAX_SNAPSHOTS), len(messages)):
-            part = self.chat_ids(messages[:k], False, enable_thinking, tools)
-            if 0 < len(part) < len(ids) and ids[: len(part)] == part:
-                ends.append(len(part))
-        return ends
+        for i, t in enumerate(ids):
+            if t == TURN_CLOSE:
+                end = i + 1 + len(newline) * (ids[i + 1 : i + 1 + len(newline)] == newline)
+            elif t == TOOL_RESPONSE_CLOSE or (t == TOOL_RESPONSE_OPEN and i and ids[i - 1] == TOOL_CALL_CLOSE):
+                end = i + 1  # a message of calls ends in their turn, awaiting results; a tool message, after its own
+            else:
+                continue
+            if end < len(ids):
+                ends.append(end)
+        if ends and len(ids) - ends[-1] <= _GENERATION_PROMPT:
+            ends.pop()
+        return ends[-MAX_SNAPSHOTS:]
 
     def reset(self) -> None:
         self.engine.reset()
@@ -234,7 +286,12 @@ class Model:
         """Start from a file save_prompt_cache wrote for this bundle; returns the tokens it holds."""
         return prompt_cache.load(path, self.engine, prompt_cache.fingerprint(self.root))
 
-    def stream_generate(
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this bundle can do, asked in one place (prepare) for every generation."""
+        return Capabilities(self.head == "logits", self.images is not None, self.max_draft_tokens)
+
+    def prepare(
         self,
         prompt=None,
         messages=None,
@@ -249,25 +306,18 @@ class Model:
         parallel_tool_calls: bool = True,
         response_format: dict | None = None,
         draft_tokens: int | None = None,
-        cancelled=None,
         **sampling,
-    ) -> Iterator[Event]:
-        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
-
-        tools: OpenAI-style function declarations, rendered by the chat template; the calls the model
-        makes come back on Event.tool_calls, and a turn that ends in calls finishes with "tool_calls".
-        tool_choice: "auto", "none" (the model cannot open a call), "required" or a function's name
-        (the output is forced to be calls, by constrained decoding). response_format: OpenAI's
-        {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding.
-        draft_tokens: speculative decoding with the bundle's drafter, K drafts per verify call (default:
-        `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for token; sampled output
-        follows the same distribution. Constrained generations decode one token at a time. cancelled: a callable
-        asked during the prompt's processing (between its steps and prefill batches); once it returns true,
-        Cancelled is raised, so a caller that has gone stops costing host time before the first token."""
+    ) -> Request:
+        """One generation checked and tokenized, every check made, the template rendered once and the grammar
+        compiled once: what stream_generate runs (its arguments are these; see there). The server prepares a
+        request before it queues, so the worker only runs it. Errors: SamplingError, StopError, ToolError,
+        GrammarError, ChatError, ValueError. A prompt longer than the context is refused when it runs, once its
+        images are expanded (len(ids) counts one placeholder an image)."""
+        caps = self.capabilities
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
-        if self.head != "logits" and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
+        if not caps.logits and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
             raise ValueError(
                 "this bundle's chunk_3 returns only the argmax token (published layout): "
                 "sampling and logit_bias are not possible; use temperature=0"
@@ -275,32 +325,62 @@ class Model:
         stop = check_stop(stop)
         tools = check_tools(tools) if tools is not None else None
         choice = check_tool_choice(tool_choice, tools)
-        if choice == "none":
-            params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
         constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        rule = _Rule(constraint, params.logit_bias, choice, self.config["vocab_size"])
+        bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
+        rule = _Rule(constraint, params.logit_bias, choice, self.config["vocab_size"], bans)
         rule.check_start()
         drafts = self._drafts(draft_tokens, constraint)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
+        marks = self.turn_ends(conversation, ids) if conversation else []
         sources = media_sources(conversation)
+        return Request(ids, marks, sources, params, bans, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
+
+    def stream_generate(
+        self, prompt=None, messages=None, *, request: Request | None = None, cancelled=None, **kw
+    ) -> Iterator[Event]:
+        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
+
+        max_tokens, stop, raw, enable_thinking, system: as their names say. tools: OpenAI-style function
+        declarations, rendered by the chat template; the calls the model makes come back on Event.tool_calls,
+        and a turn that ends in calls finishes with "tool_calls". tool_choice: "auto", "none" (the model cannot
+        open a call), "required" or a function's name (the output is forced to be calls, by constrained
+        decoding). response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also
+        enforced by constrained decoding. draft_tokens: speculative decoding with the bundle's drafter, K drafts
+        per verify call (default: `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for
+        token; sampled output follows the same distribution. Constrained generations decode one token at a time.
+        The sampling fields (sampling.FIELDS) as keywords. request: one `prepare` made, instead of all these.
+        cancelled: a callable asked during the prompt's processing (between its steps and prefill batches); once
+        it returns true, Cancelled is raised, so a caller that has gone stops costing host time before the first
+        token."""
+        if request is None:
+            request = self.prepare(prompt, messages, **kw)
+        elif prompt is not None or messages is not None or kw:
+            raise ValueError("give a prepared request or a prompt and its options, not both")
+        yield from self._run(request, cancelled)
+
+    def _run(self, request: Request, cancelled) -> Iterator[Event]:
+        """The generation `request` describes: its media encoded, the prompt processed, the steps of plain or
+        speculative decoding detokenized and parsed into Events, and the Stats."""
+        params, max_tokens, parser = request.params, request.max_tokens, None
         t0 = time.perf_counter()  # the images' encoding counts as prompt time
-        marks = self.turn_ends(conversation, ids, enable_thinking, tools) if conversation else []
         _check(cancelled)
-        ids, marks, self.engine.soft_tokens = expand_media(ids, marks, self.encoders, sources, self.context)
+        ids, marks, self.engine.soft_tokens = expand_media(
+            request.ids, request.marks, self.encoders, request.sources, self.context
+        )
         _check(cancelled)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
-        parser = OutputParser(self.tokenizer, stop, tools=tools)
+        parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
-        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0]), _Speculation()
+        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.bans), _Speculation()
         steps = (
-            self._speculate(logits, sampler, drafts, max_tokens, spec)
-            if drafts
-            else self._decode(logits, sampler, rule)
+            self._speculate(logits, sampler, request.drafts, max_tokens, spec)
+            if request.drafts
+            else self._decode(logits, sampler, request.rule)
         )
         generated, finish, t_first = 0, None, None
         try:
@@ -328,7 +408,7 @@ class Model:
                 if parser.stopped:
                     finish = "stop"
                     break
-                if delta.tool_calls and not parallel_tool_calls:
+                if delta.tool_calls and not request.parallel_tool_calls:
                     finish = "tool_calls"  # one call asked for: its response comes before anything else
                     break
                 # the context holds the prompt and every token but this one, which is not fed: no chunk runs for it
@@ -480,9 +560,9 @@ class Model:
         the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
         tools = check_tools(tools) if tools is not None else None
         choice = check_tool_choice(tool_choice, tools)
-        bias = {**(logit_bias or {}), **({TOOL_CALL_OPEN: BAN} if choice == "none" else {})}
+        bans = [TOOL_CALL_OPEN] if choice == "none" else []
         constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        _Rule(constraint, bias, choice, self.config["vocab_size"]).check_start()
+        _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans).check_start()
 
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
@@ -506,12 +586,13 @@ class Model:
 
 
 class _Rule:
-    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias
-    bans (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
+    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias and
+    `bans` ban (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
 
-    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int):
+    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
         self.constraint, self.vocab, self.choice = constraint, vocab, choice
-        self.banned = np.array(sorted(t for t, b in (logit_bias or {}).items() if b == BAN), np.int64)
+        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | {int(t) for t in bans}
+        self.banned = np.array(sorted(banned), np.int64)
         self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
         self.steps = 0
 

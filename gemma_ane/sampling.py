@@ -1,13 +1,14 @@
 """Choosing the next token from chunk_3's logits (fp32, numpy).
 
-Order, as in transformers and llama.cpp: penalties on the raw logits, then OpenAI's logit bias,
-then temperature, then the truncations (top-k, top-p, min-p), then a draw. Logprobs are reported
-from the model's own distribution (log-softmax of the raw logits), which is what OpenAI-style
-clients expect.
+Order, as in transformers and llama.cpp: the logits processors (make_logits_processors: penalties on the raw
+logits, then OpenAI's logit bias, then the runtime's bans), then temperature, then the truncations (top-k, top-p,
+min-p), then a draw. Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which
+is what OpenAI-style clients expect.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -199,21 +200,97 @@ class Proposal:
         return int(self.ids[min(int(np.searchsorted(c, u, side="right")), len(c) - 1)])
 
 
+# -- logits processors: the chain make_logits_processors builds, applied before the sampler draws -------------------
+
+
+class Processor(abc.ABC):
+    """One logits processor of the chain: it changes the fp32 logits of some tokens only, `ids` (sorted) or, when
+    `seen` is set, the tokens seen so far, given each one's count; `__call__(ids, x, counts)` returns the logits `x`
+    of the tokens `ids` (a superset of its own) changed. Sparse, so the fp16 fast path converts only the tokens some
+    processor touches."""
+
+    seen = False
+    ids = np.zeros(0, np.int64)
+
+    @abc.abstractmethod
+    def __call__(self, ids: np.ndarray, x: np.ndarray, counts: np.ndarray) -> np.ndarray: ...
+
+
+class RepetitionPenalty(Processor):
+    """transformers' rule: a seen token's positive logit divided by the penalty, its negative one multiplied."""
+
+    seen = True
+
+    def __init__(self, penalty: float):
+        self.penalty = np.float32(penalty)
+
+    def __call__(self, ids, x, counts):
+        r = self.penalty
+        return np.where(counts > 0, np.where(x > 0, x / r, x * r), x)
+
+
+class OccurrencePenalty(Processor):
+    """OpenAI's presence and frequency penalties, in its one formula: a seen token's logit less presence plus
+    frequency times its count."""
+
+    seen = True
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = np.float32(presence), np.float32(frequency)
+
+    def __call__(self, ids, x, counts):
+        return x - (self.presence * (counts > 0) + self.frequency * counts)
+
+
+class LogitBias(Processor):
+    """OpenAI's logit_bias: each token's bias added; BAN (-100) bans it (-inf: no temperature brings it back)."""
+
+    def __init__(self, bias: dict[int, float]):
+        ids = np.fromiter(bias, np.int64, len(bias))
+        add = np.array([-np.inf if b == BAN else b for b in bias.values()], np.float32)
+        order = np.argsort(ids)
+        self.ids, self.add = ids[order], add[order]
+
+    def __call__(self, ids, x, counts):
+        out = np.array(x, np.float32)
+        out[np.searchsorted(ids, self.ids)] += self.add
+        return out
+
+
+class Ban(LogitBias):
+    """Tokens no draw may take whatever the request's logit_bias says: tool_choice "none" bans <|tool_call>."""
+
+    def __init__(self, tokens):
+        super().__init__({int(t): BAN for t in tokens})
+
+
+def make_logits_processors(params: SamplingParams, bans=()) -> list[Processor]:
+    """The processors `params` ask for, in order: repetition penalty, presence and frequency penalties, logit bias,
+    then `bans` (the runtime's own: tool_choice "none"). None when nothing changes a logit: the fast path's case."""
+    p, out = params, []
+    if p.repetition_penalty != 1.0:
+        out.append(RepetitionPenalty(p.repetition_penalty))
+    if p.presence_penalty or p.frequency_penalty:
+        out.append(OccurrencePenalty(p.presence_penalty, p.frequency_penalty))
+    if p.logit_bias:
+        out.append(LogitBias(p.logit_bias))
+    if len(bans):
+        out.append(Ban(bans))
+    return out
+
+
 class Sampler:
     """Holds the random stream and the token counts: one Sampler per generation, so a seed
     reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
 
-    def __init__(self, params: SamplingParams, history=()):
+    def __init__(self, params: SamplingParams, history=(), bans=()):
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
         self.counts: dict[int, int] = {}
-        p = self.p
-        self._penalties = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-        bias = p.logit_bias or {}
-        ids = np.fromiter(bias, np.int64, len(bias))
-        vals = np.array([-np.inf if b == BAN else b for b in bias.values()], np.float32)
-        order = np.argsort(ids)
-        self._bias = ids[order], vals[order]
+        self.processors = make_logits_processors(self.p, bans)
+        self._penalties = any(q.seen for q in self.processors)
+        fixed = [q.ids for q in self.processors if not q.seen]
+        self._fixed = np.unique(np.concatenate(fixed)) if fixed else np.zeros(0, np.int64)
         self._arrays = None
         for t in history:
             self.observe(t)
@@ -224,46 +301,37 @@ class Sampler:
             self._arrays = None
 
     def _touched(self, vocab: int):
-        """(ids, counts, bias) of the tokens whose logits the penalties or the logit bias change
-        (counts 0: biased but unseen; bias 0: seen but unbiased), or None when they change none."""
-        bias_ids, bias = self._bias
-        if len(bias_ids) and bias_ids[-1] >= vocab:
-            raise SamplingError(
-                f"logit_bias: token {bias_ids[-1]} is not in the vocabulary of {vocab}", param="logit_bias"
-            )
+        """(ids, counts) of the tokens whose logits the processors change (counts 0: biased or banned but
+        unseen), or None when they change none."""
+        fixed = self._fixed
+        if len(fixed) and fixed[-1] >= vocab:
+            why = f"logit_bias: token {fixed[-1]} is not in the vocabulary of {vocab}"
+            raise SamplingError(why, param="logit_bias")
         seen = self.counts if self._penalties else {}
-        if not seen and not len(bias_ids):
+        if not seen and not len(fixed):
             return None
         if self._arrays is None:
             seen_ids = np.fromiter(seen, np.int64, len(seen))
-            ids = np.union1d(seen_ids, bias_ids)
-            counts, add = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+            ids = np.union1d(seen_ids, fixed)
+            counts = np.zeros(len(ids), np.float32)
             counts[np.searchsorted(ids, seen_ids)] = np.fromiter(seen.values(), np.float32, len(seen))
-            add[np.searchsorted(ids, bias_ids)] = bias
             keep = ids < vocab
-            self._arrays = ids[keep], counts[keep], add[keep]
+            self._arrays = ids[keep], counts[keep]
         return self._arrays
 
-    def _apply(self, x: np.ndarray, counts: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
-        presence and frequency penalties on the tokens seen (count > 0), then the logit bias, on
-        the fp32 logits of the touched tokens."""
-        p = self.p
-        seen = counts > 0
-        if p.repetition_penalty != 1.0:
-            r = np.float32(p.repetition_penalty)
-            x = np.where(seen, np.where(x > 0, x / r, x * r), x)
-        if p.presence_penalty or p.frequency_penalty:
-            x = x - (np.float32(p.presence_penalty) * seen + np.float32(p.frequency_penalty) * counts)
-        return (x + bias).astype(np.float32)
+    def _apply(self, ids: np.ndarray, x: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The processors in turn, on the fp32 logits `x` of the touched tokens `ids`."""
+        for processor in self.processors:
+            x = processor(ids, x, counts)
+        return x.astype(np.float32)
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
-        """The penalties over every token seen so far and the logit bias, on fp32 logits.
+        """The processors (penalties over every token seen so far, logit bias, bans) on fp32 logits.
         Modifies and returns `logits`."""
         touched = self._touched(len(logits))
         if touched is not None:
-            ids, counts, bias = touched
-            logits[ids] = self._apply(logits[ids], counts, bias)
+            ids, counts = touched
+            logits[ids] = self._apply(ids, logits[ids], counts)
         return logits
 
     @property
@@ -287,9 +355,9 @@ class Sampler:
         cand = top_indices(key, k)
         vals = logits[cand].astype(np.float32)
         if touched is not None:
-            ids, counts, bias = touched
+            ids, counts = touched
             cand = np.concatenate([cand, ids])
-            vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts, bias)])
+            vals = np.concatenate([vals, self._apply(ids, logits[ids].astype(np.float32), counts)])
             order = np.lexsort((cand, -vals))[:k]
             cand, vals = cand[order], vals[order]
         return int(cand[0]) if self.greedy else self._pick(*self._top_k(cand, vals))

@@ -493,7 +493,7 @@ def parse_request(
     body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits(), fetched: dict | None = None
 ) -> Request:
     """Check every field's type and range, and the images against `limits` (nothing about the prompt's
-    length: that needs the tokenizer, see `count_prompt`). `fetched`: the files of `remote_urls(body)` by URL (None
+    length: that needs the tokenizer, see `prepare`). `fetched`: the files of `remote_urls(body)` by URL (None
     for a failed fetch), as a fetch.Fetcher returns them; a remote URL missing there counts as a failed fetch."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
@@ -550,13 +550,6 @@ def parse_request(
             raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1), param=lp_param) from None
         raise APIError(400, str(e), param=e.param) from None
     sampling["logit_bias"] = params.logit_bias  # its ids as ints
-    check = getattr(model, "check_constraints", None)  # the runtime's: constraints that leave no token to draw
-    if kind == "chat" and check is not None:
-        tooling = [kwargs[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "response_format")]
-        try:
-            check(*tooling, kwargs["enable_thinking"], params.logit_bias)
-        except (SamplingError, grammar.GrammarError) as e:
-            raise APIError(400, str(e), param=e.param) from None
     kwargs.update(sampling)
     return Request(kind, kwargs, stream, include_usage, logprobs)
 
@@ -585,23 +578,27 @@ def _tooling(body: dict, model, thinking: bool) -> dict:
     return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "response_format": response_format}
 
 
-def count_prompt(model, req: Request) -> int:
-    """The prompt's length in tokens; refuses one the context cannot hold."""
-    kw = req.kwargs
-    param = "messages" if req.kind == "chat" else "prompt"
-    tools = {"tools": kw["tools"]} if kw.get("tools") else {}  # a model without function calling takes none
+def prepare(model, req: Request) -> None:
+    """The runtime's request built from `req` before it queues (Model.prepare: every check, the template rendered
+    once, the grammar compiled once), so the worker only runs it; its prompt's length in req.prompt_tokens. A
+    model without `prepare` (build_app's least contract) has its prompt counted by prompt_ids instead."""
+    kw, param = req.kwargs, "messages" if req.kind == "chat" else "prompt"
+    build = getattr(model, "prepare", None)
     try:
-        ids = model.prompt_ids(
-            kw.get("prompt"),
-            kw.get("messages"),
-            raw=kw.get("raw", False),
-            enable_thinking=kw.get("enable_thinking", False),
-            **tools,
-        )
+        if build is None:
+            tools = {"tools": kw["tools"]} if kw.get("tools") else {}  # a model without function calling takes none
+            names = ("prompt", "messages", "raw", "enable_thinking")
+            ids = model.prompt_ids(**{k: kw[k] for k in names if k in kw}, **tools)
+        else:
+            prepared = build(**kw)
+            ids, req.kwargs = prepared.ids, {"request": prepared}
     except ChatError as e:
         raise APIError(400, str(e), param=param) from None
-    except ToolError as e:  # a call's arguments that are no JSON object
+    except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
         raise APIError(400, str(e), param=e.param) from None
+    except grammar.GrammarError as e:  # the grammar this tokenizer cannot spell: what asked for it is named
+        field = "response_format" if kw.get("tool_choice", "auto") in ("auto", "none") else "tool_choice"
+        raise APIError(400, str(e), param=e.param or field) from None
     if len(ids) > model.context:
         raise APIError(
             400,
@@ -609,7 +606,7 @@ def count_prompt(model, req: Request) -> int:
             param=param,
             code="context_length_exceeded",
         )
-    return len(ids)
+    req.prompt_tokens = len(ids)
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -623,7 +620,7 @@ class Render:
         self.chat = req.kind == "chat"
         self.created = int(time.time())
         self.completion_tokens = 0
-        self.prompt_tokens = req.prompt_tokens  # count_prompt's; the last event's replaces it (see _ended)
+        self.prompt_tokens = req.prompt_tokens  # prepare's; the last event's replaces it (see _ended)
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
         self.offset = 0  # legacy logprobs' text_offset
         self.calls = 0  # tool calls streamed so far: the next one's index
@@ -634,7 +631,7 @@ class Render:
 
     def _ended(self, ev) -> None:
         """Takes the prompt's counts from the generation's last event. Its prompt_tokens is the runtime's, with
-        each image's soft tokens (count_prompt saw one placeholder an image); a model reporting 0 keeps ours."""
+        each image's soft tokens (prepare saw one placeholder an image); a model reporting 0 keeps ours."""
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.cached_tokens = ev.reused_tokens
 
@@ -971,7 +968,7 @@ def build_app(
             urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
             fetched = await fetcher(urls) if urls else {}
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
-            req.prompt_tokens = await run_in_threadpool(count_prompt, model, req)
+            await run_in_threadpool(prepare, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             job = Job(rid, req.kwargs, asyncio.get_running_loop())
             if not worker.submit(job):
