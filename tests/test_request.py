@@ -95,3 +95,11 @@ def test_the_server_queues_a_prepared_request(model, monkeypatch):
     (kw,) = queued
     assert set(kw) == {"request", "cancelled"} and kw["request"].params.logit_bias == {9: -100.0}
     assert json.dumps(r.json()["usage"]["prompt_tokens"]) == str(len(kw["request"].ids))
+
+
+def test_the_servers_modules_stand_behind_the_runtimes_walls():
+    from test_walls import CONVERTER_SIDE, imports
+
+    for module in ("server_request", "server_response", "server_worker"):
+        banned = imports(module) & ({"torch", "transformers"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE})
+        assert not banned, f"{module}.py imports {sorted(banned)}"
