@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +65,14 @@ class Stats:
     # verified
     acceptance_rate: float = 0.0
     tokens_per_verify: float = 0.0
+
+
+class Step(NamedTuple):
+    """What both step generators yield (Model._generate_step, Model._speculative_generate_step): a token, and the
+    logits it was drawn from (its logprobs are read from them)."""
+
+    token: int
+    logits: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -362,8 +371,10 @@ class Model:
         yield from self._run(request, cancelled)
 
     def _run(self, request: Request, cancelled) -> Iterator[Event]:
-        """The generation `request` describes: its media encoded, the prompt processed, the steps of plain or
-        speculative decoding detokenized and parsed into Events, and the Stats."""
+        """The generation `request` describes: its media encoded, the prompt processed, then the layers: the steps
+        of plain or speculative decoding (sibling generators of Steps), detokenized and parsed here into Events,
+        with the Stats last (as mlx-lm's generate_step / speculative_generate_step under stream_generate, under
+        generate)."""
         params, max_tokens, parser = request.params, request.max_tokens, None
         t0 = time.perf_counter()  # the images' encoding counts as prompt time
         _check(cancelled)
@@ -378,9 +389,9 @@ class Model:
         # the penalties count text tokens (an image's keys are no vocabulary ids)
         sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.bans), _Speculation()
         steps = (
-            self._speculate(logits, sampler, request.drafts, max_tokens, spec)
+            self._speculative_generate_step(logits, sampler, request.drafts, max_tokens, spec)
             if request.drafts
-            else self._decode(logits, sampler, request.rule)
+            else self._generate_step(logits, sampler, request.rule)
         )
         generated, finish, t_first = 0, None, None
         try:
@@ -434,8 +445,8 @@ class Model:
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
         )
 
-    def _decode(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[tuple[int, object]]:
-        """(token, the logits it was drawn from), one chunk call per token."""
+    def _generate_step(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[Step]:
+        """Plain decoding's steps: a token and the logits it was drawn from, one chunk call per token."""
         constraint = rule.constraint
         while True:
             token = self._pick(sampler, logits) if constraint is None else self._allowed_pick(sampler, logits, rule)
@@ -443,17 +454,17 @@ class Model:
                 constraint.advance(token)
                 rule.steps += 1
             sampler.observe(token)
-            yield token, logits
+            yield Step(token, logits)
             logits = self.engine.feed([token])[-1]
 
-    def _speculate(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[tuple[int, object]]:
-        """As _decode, but the drafter proposes up to k tokens after the last one and one verify call checks
+    def _speculative_generate_step(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[Step]:
+        """As _generate_step, but the drafter proposes up to k tokens after the last one and one verify call checks
         them all: each emitted token is the one the target's own sampling gives (Sampler.verify). Where no
         verify call fits (the context's end, the ring's edge) or fewer than two tokens remain: one plain step."""
         engine = self.engine
         token = sampler.sample(logits)
         sampler.observe(token)
-        yield token, logits
+        yield Step(token, logits)
         emitted = 1
         while True:
             n = min(k, budget - emitted - 1)
@@ -467,7 +478,7 @@ class Model:
             start = engine.position - len(batch)  # where the last token before this batch is cached
             for i, (token, row) in enumerate(batch):
                 try:
-                    yield token, row
+                    yield Step(token, row)
                 except GeneratorExit:
                     engine.rewind(start + i + 1)  # as plain decoding: every token taken but the last is cached
                     if verified:  # a stop inside the batch: what followed it was never emitted

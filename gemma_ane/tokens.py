@@ -137,7 +137,10 @@ class TokenBytes:
 
     def __call__(self, token: int) -> bytes | None:
         """The token's bytes; None for an id the tokenizer has no piece for, or a piece outside its alphabet."""
-        name = self.tokenizer.id_to_token(token)
+        return self.piece(self.tokenizer.id_to_token(token))
+
+    def piece(self, name: str | None) -> bytes | None:
+        """The bytes a piece (a token's name in the vocabulary) stands for, as __call__."""
         if name is None:
             return None
         if self.byte_level:
@@ -170,6 +173,6 @@ def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
     tokens, is_special = [], set(special)
     for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
         name = tokenizer.id_to_token(i)
-        token = None if name is None else name.encode() if i in is_special else read(i)
+        token = None if name is None else name.encode() if i in is_special else read.piece(name)
         tokens.append(token if token is not None else added[i].content.encode() if i in added else b"")
     return tokens, special
