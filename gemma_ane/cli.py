@@ -21,7 +21,7 @@ from .engine import NonFiniteOutput
 from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .package import PackageError
-from .sampling import FIELDS
+from .sampling import FIELDS, SamplingParams
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 from .tools import MAX_DEPTH
 
@@ -188,6 +188,7 @@ def _sampling(a) -> dict:
     out = {f.name: getattr(a, f.name) for f in FIELDS if getattr(a, f.name) is not None}
     if "logit_bias" in out:
         out["logit_bias"] = dict(out["logit_bias"])
+    SamplingParams(**out).validate()  # a value out of range is refused before the bundle loads
     return out
 
 

@@ -70,3 +70,11 @@ def test_every_field_is_taken_and_checked_by_the_server(field):
         bad = http.post("/v1/chat/completions", json={"messages": messages, name: "x", **extra})
     assert model.calls[0][field.name] == value
     assert bad.status_code == 400 and bad.json()["error"]["param"] == name
+
+
+def test_a_flag_out_of_range_is_refused_before_the_bundle_loads(tmp_path, capsys):
+    from gemma_ane.cli import main
+
+    assert main(["generate", str(tmp_path / "no-bundle"), "-p", "hi", "--top-p", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["gemma-ane generate: error: top_p=2.0: must be <= 1.0"]
