@@ -34,6 +34,7 @@ from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .files import read_json
+from .images import ImageError
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
 from .tokens import (
     BOS,
@@ -320,8 +321,9 @@ class Model:
         """One generation checked and tokenized, every check made, the template rendered once and the grammar
         compiled once: what stream_generate runs (its arguments are these; see there). The server prepares a
         request before it queues, so the worker only runs it. Errors: SamplingError, StopError, ToolError,
-        GrammarError, ChatError, ValueError. A prompt longer than the context is refused when it runs, once its
-        images are expanded (len(ids) counts one placeholder an image)."""
+        GrammarError, ChatError, ImageError (images for a bundle without a vision model), ValueError. A prompt
+        longer than the context is refused when it runs, once its images are expanded (len(ids) counts one
+        placeholder an image)."""
         caps = self.capabilities
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
@@ -345,6 +347,8 @@ class Model:
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
         marks = self.turn_ends(conversation, ids) if conversation else []
         sources = media_sources(conversation)
+        if sources and not caps.vision:  # refused here, before a server queues it, not once it runs
+            raise ImageError(f"{sources[0][1]}: this bundle has no vision model (converted without one)")
         return Request(ids, marks, sources, params, bans, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
 
     def stream_generate(
@@ -394,13 +398,12 @@ class Model:
             else self._generate_step(logits, sampler, request.rule)
         )
         generated, finish, t_first = 0, None, None
+        # the published head returns the chosen id only: no distribution to report
+        report = params.logprobs is not None and self.capabilities.logits
         try:
             for token, logits in steps if max_tokens else ():
                 t_first = t_first or time.perf_counter()
-                # the published head returns the chosen id only: no distribution to report
-                lp, top = (None, [])
-                if self.head == "logits" and params.logprobs is not None:
-                    lp, top = sampler.logprobs(logits, token)
+                lp, top = sampler.logprobs(logits, token) if report else (None, [])
                 generated += 1
                 if token in self.stop_ids:
                     finish = "tool_calls" if parser.tool_calls else "stop"
@@ -541,7 +544,7 @@ class Model:
         text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
         if text is None:
             return None
-        if self.head != "logits":
+        if not self.capabilities.logits:
             raise ValueError("this bundle's chunk_3 returns only the argmax token: constrained decoding needs logits")
         tokenizer = self.root / "hf_model" / "tokenizer.json"
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 
 from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
+from .engine import ContextOverflow
 from .images import ImageError, _pil, data_url_bytes
 from .sampling import FIELDS, SamplingError, SamplingParams
 from .tools import ToolError, check_tool_choice, check_tools
@@ -432,6 +434,8 @@ def prepare(model, req: Request) -> None:
     except grammar.GrammarError as e:  # the grammar this tokenizer cannot spell: what asked for it is named
         field = "response_format" if kw.get("tool_choice", "auto") in ("auto", "none") else "tool_choice"
         raise APIError(400, str(e), param=e.param or field) from None
+    except ValueError as e:  # images the bundle cannot take, a bundle that cannot sample: as the worker reports them
+        raise error_of(e) from None
     if len(ids) > model.context:
         raise APIError(
             400,
@@ -440,3 +444,18 @@ def prepare(model, req: Request) -> None:
             code="context_length_exceeded",
         )
     req.prompt_tokens = len(ids)
+
+
+_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
+
+
+def error_of(exc: BaseException) -> APIError:
+    """The answer to an exception a generation raised: the request's fault (a ValueError) a 400, else a 500."""
+    if isinstance(exc, ContextOverflow):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
+        part = _PART.match(str(exc))
+        return APIError(400, str(exc), param=part.group(0) if part else "messages")
+    if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
+        return APIError(400, str(exc))
+    return APIError(500, "the generation failed; see the server log", type="server_error")

@@ -7,12 +7,9 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import time
 
-from .engine import ContextOverflow
-from .images import ImageError
-from .server_request import APIError, Request
+from .server_request import APIError, Request, error_of
 from .server_worker import _END, Job
 from .tokens import TokenBytes
 
@@ -170,20 +167,6 @@ class Render:
         return out
 
 
-_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
-
-
-def _error_of(exc: BaseException) -> APIError:
-    if isinstance(exc, ContextOverflow):
-        return APIError(400, str(exc), code="context_length_exceeded")
-    if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
-        part = _PART.match(str(exc))
-        return APIError(400, str(exc), param=part.group(0) if part else "messages")
-    if isinstance(exc, ValueError):  # SamplingError, ChatError, a bundle that cannot sample
-        return APIError(400, str(exc))
-    return APIError(500, "the generation failed; see the server log", type="server_error")
-
-
 async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -221,7 +204,7 @@ class Generation:
                 err = APIError(503, "the server is shutting down", type="server_error")
                 await _send_json(send, err.status, err.body())
             elif isinstance(first, BaseException):
-                err = _error_of(first)
+                err = error_of(first)
                 await _send_json(send, err.status, err.body())
             elif self.render.req.stream:
                 await self._stream(first, send)
@@ -237,7 +220,7 @@ class Generation:
         events = []
         while item is not _END:
             if isinstance(item, BaseException):
-                err = _error_of(item)
+                err = error_of(item)
                 await _send_json(send, err.status, err.body())
                 return
             events.append(item)
@@ -263,7 +246,7 @@ class Generation:
         chunks = self.render.start()
         while item is not _END and not self.job.cancelled.is_set():
             if isinstance(item, BaseException):
-                chunks.append(_error_of(item).body())
+                chunks.append(error_of(item).body())
                 break
             chunks += self.render.step(item)
             if chunks:

@@ -103,3 +103,13 @@ def test_the_servers_modules_stand_behind_the_runtimes_walls():
     for module in ("server_request", "server_response", "server_worker"):
         banned = imports(module) & ({"torch", "transformers"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE})
         assert not banned, f"{module}.py imports {sorted(banned)}"
+
+
+def test_images_for_a_bundle_without_vision_are_refused_when_prepared(model):
+    from gemma_ane.images import ImageError
+
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": b"not even read"}, {"type": "text", "text": "?"}]}
+    ]
+    with pytest.raises(ImageError, match=r"messages\[0\].content\[0\]: this bundle has no vision model"):
+        model.prepare(messages=messages)
