@@ -11,7 +11,7 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +33,7 @@ from .chat import (
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
+from .events import Event, Result, Stats
 from .files import read_json
 from .images import ImageError
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
@@ -47,25 +48,7 @@ from .tokens import (
     TURN_CLOSE,
     ControlTokens,
 )
-from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
-
-
-@dataclass
-class Stats:
-    """How a generation went; carried on the last Event and on the Result (as mlx-lm's
-    GenerationResponse carries its timings)."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose K/V were already cached: not processed again
-    generated_tokens: int = 0
-    time_to_first_token: float = 0.0  # seconds: prompt processing plus the first draw
-    prefill_tokens_per_s: float = 0.0  # prompt tokens processed (not reused) per second
-    decode_tokens_per_s: float = 0.0  # tokens after the first, per second
-    # speculative decoding (draft_tokens): drafts the target accepted / drafts proposed, and tokens emitted per
-    # verify call (accepted drafts plus the target's own token, less any a stop cut off); 0.0 when no draft was
-    # verified
-    acceptance_rate: float = 0.0
-    tokens_per_verify: float = 0.0
+from .tools import check_tool_choice, check_tools, prepare_messages
 
 
 class Step(NamedTuple):
@@ -94,11 +77,10 @@ class Request:
     marks: list[int]  # turn ends: where the engine snapshots its rings
     sources: list  # the media, in their placeholders' order
     params: SamplingParams
-    bans: list[int]  # tokens no draw may take beyond logit_bias's (tool_choice "none": <|tool_call>)
     stop: list[str]
     tools: list | None
     parallel_tool_calls: bool
-    rule: _Rule
+    rule: _Rule  # what may be drawn: the grammar, logit_bias's bans and tool_choice "none"'s
     drafts: int  # drafts a verify call; 0: plain decoding
     max_tokens: int
 
@@ -116,31 +98,6 @@ class _Speculation:
         # a call emits the accepted drafts and one token of the target's own (a correction, or the bonus after all)
         self.calls, self.drafted, self.emitted = self.calls + 1, self.drafted + drafted, self.emitted + emitted
         self.accepted += emitted - 1
-
-
-@dataclass
-class Result(Stats):
-    text: str = ""
-    reasoning: str = ""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "tool_calls"
-
-
-@dataclass
-class Event(Stats):
-    """One streamed step: the token, the text it released (answer and/or reasoning). The last
-    event has no token; it carries why generation ended and the Stats."""
-
-    token: int | None = None
-    text: str = ""
-    reasoning: str = ""
-    logprob: float | None = None
-    top_logprobs: list = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls this token completed
-    finish_reason: str | None = None
 
 
 # tokens after a conversation's last turn end that are only the generation prompt ("<|turn>model\n", a thought
@@ -335,12 +292,8 @@ class Model:
             )
         stop = check_stop(stop)
         tools = check_tools(tools) if tools is not None else None
-        choice = check_tool_choice(tool_choice, tools)
-        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
-        rule = _Rule(constraint, params.logit_bias, choice, self.config["vocab_size"], bans)
-        rule.check_start()
-        drafts = self._drafts(draft_tokens, constraint)
+        rule = self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, params.logit_bias)
+        drafts = self._drafts(draft_tokens, rule.constraint)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
@@ -349,7 +302,7 @@ class Model:
         sources = media_sources(conversation)
         if sources and not caps.vision:  # refused here, before a server queues it, not once it runs
             raise ImageError(f"{sources[0][1]}: this bundle has no vision model (converted without one)")
-        return Request(ids, marks, sources, params, bans, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
+        return Request(ids, marks, sources, params, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
 
     def stream_generate(
         self, prompt=None, messages=None, *, request: Request | None = None, cancelled=None, **kw
@@ -391,7 +344,7 @@ class Model:
         parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
-        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.bans), _Speculation()
+        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.rule.bans), _Speculation()
         steps = (
             self._speculative_generate_step(logits, sampler, request.drafts, max_tokens, spec)
             if request.drafts
@@ -573,10 +526,17 @@ class Model:
         token to draw (the grammar's first tokens all banned, or a grammar this tokenizer cannot spell): for
         the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
         tools = check_tools(tools) if tools is not None else None
+        self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, logit_bias)
+
+    def _rule(self, tools, tool_choice, parallel: bool, response_format, thinking: bool, logit_bias) -> _Rule:
+        """What this generation may draw (`tools` already checked): its grammar compiled, tool_choice "none"'s
+        ban, logit_bias's; refused (see _Rule.check_start) when that leaves no first token."""
         choice = check_tool_choice(tool_choice, tools)
-        bans = [TOOL_CALL_OPEN] if choice == "none" else []
-        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans).check_start()
+        constraint = self._constraint(tools, choice, parallel, response_format, thinking)
+        bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
+        rule = _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans)
+        rule.check_start()
+        return rule
 
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
@@ -605,7 +565,8 @@ class _Rule:
 
     def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
         self.constraint, self.vocab, self.choice = constraint, vocab, choice
-        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | {int(t) for t in bans}
+        self.bans = [int(t) for t in bans]
+        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | set(self.bans)
         self.banned = np.array(sorted(banned), np.int64)
         self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
         self.steps = 0

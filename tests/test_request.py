@@ -72,7 +72,7 @@ def test_a_prepared_request_runs_once_checked(model, monkeypatch):
     request = model.prepare(messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=9, temperature=0)
     assert (
         isinstance(request, Request)
-        and request.bans == [48]
+        and request.rule.bans == [48]
         and request.ids == model.prompt_ids(messages=ASK, tools=[WEATHER])
     )
     with pytest.raises(ValueError, match="not both"):
@@ -100,7 +100,7 @@ def test_the_server_queues_a_prepared_request(model, monkeypatch):
 def test_the_servers_modules_stand_behind_the_runtimes_walls():
     from test_walls import CONVERTER_SIDE, imports
 
-    for module in ("server_request", "server_response", "server_worker"):
+    for module in ("server_request", "server_response", "server_worker", "events", "gemma4"):
         banned = imports(module) & ({"torch", "transformers"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE})
         assert not banned, f"{module}.py imports {sorted(banned)}"
 
