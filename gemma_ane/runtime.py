@@ -498,7 +498,9 @@ class Model:
         if text is None:
             return None
         if not self.capabilities.logits:
-            raise ValueError("this bundle's chunk_3 returns only the argmax token: constrained decoding needs logits")
+            field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for a grammar
+            why = "constrained decoding needs logits; this bundle's head returns only the chosen token"
+            raise grammar.GrammarError(f"{field}: {why}", param=field)
         tokenizer = self.root / "hf_model" / "tokenizer.json"
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 

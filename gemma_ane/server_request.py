@@ -391,7 +391,8 @@ def parse_request(
 
 def _tooling(body: dict, model, thinking: bool) -> dict:
     """tools, tool_choice, parallel_tool_calls and response_format, checked as the runtime will use them, the
-    grammar they constrain the output to included: a request that cannot run is refused before it queues."""
+    grammar they constrain the output to included (by Model.prepare, for a model that has it): a request that
+    cannot run is refused before it queues."""
     parallel = _field(body, "parallel_tool_calls", bool, True)
     response_format = _field(body, "response_format", dict)
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -399,7 +400,11 @@ def _tooling(body: dict, model, thinking: bool) -> dict:
         tools = None if tools is None else check_tools(tools)
         choice = check_tool_choice("auto" if choice is None else choice, tools)
         field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asks for a grammar
-        constrained = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
+        # a runtime Model compiles the grammar once, in prepare; a model without prepare has it checked here
+        prepares = getattr(model, "prepare", None) is not None
+        constrained = (
+            None if prepares else grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
+        )
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
     except grammar.GrammarError as e:  # without a param: llguidance is missing

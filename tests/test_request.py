@@ -113,3 +113,17 @@ def test_images_for_a_bundle_without_vision_are_refused_when_prepared(model):
     ]
     with pytest.raises(ImageError, match=r"messages\[0\].content\[0\]: this bundle has no vision model"):
         model.prepare(messages=messages)
+
+
+def test_a_chat_request_with_a_response_format_builds_its_grammar_once(tmp_path, monkeypatch):
+    from starlette.testclient import TestClient
+    from test_token_bytes import metaspace_model
+
+    from gemma_ane import grammar
+
+    built, request_grammar = [], grammar.request_grammar
+    monkeypatch.setattr(grammar, "request_grammar", lambda *a, **kw: built.append(a) or request_grammar(*a, **kw))
+    with TestClient(build_app(metaspace_model(tmp_path), model_name="m")) as http:
+        body = {"messages": ASK, "response_format": {"type": "json_object"}, "temperature": 0, "max_tokens": 30}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert len(built) == 1

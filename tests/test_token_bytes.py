@@ -53,3 +53,32 @@ def test_any_other_decoder_is_asked_what_a_piece_adds():
     tok.decoder = decoders.WordPiece()
     read = TokenBytes(tok)
     assert (read(1), read(2)) == (b" ab", b"cd")  # a word after another gets its space; a continuation does not
+
+
+def metaspace_model(root: Path):
+    """The scripted model (flat logits, the real template) over a bundle directory whose tokenizer is Metaspace's;
+    its vocabulary larger than the tokenizer's, as a model's may be."""
+    from scripted import TEMPLATE, ScriptedEngine
+
+    from gemma_ane.chat import ChatTemplate
+    from gemma_ane.runtime import Model
+
+    (root / "hf_model").mkdir()
+    tok = Tokenizer.from_file(str(metaspace_tokenizer(root / "hf_model" / "tokenizer.json")))
+    return Model(root, ScriptedEngine(1024), tok, ChatTemplate(TEMPLATE), {}, {"vocab_size": 1024}, "none")
+
+
+def test_the_server_takes_a_response_format_with_a_metaspace_tokenizer(tmp_path):
+    """Issue 28: every response_format request to such a bundle was a 400 ("cannot read the token bytes of a
+    tokenizer with decoder ['Metaspace']")."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from gemma_ane.server import build_app
+
+    body = {"messages": [{"role": "user", "content": "ab"}], "response_format": {"type": "json_object"}}
+    with TestClient(build_app(metaspace_model(tmp_path), model_name="m")) as http:
+        r = http.post("/v1/chat/completions", json={**body, "temperature": 0, "max_tokens": 30})
+    assert r.status_code == 200, r.json()
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {}
