@@ -485,10 +485,11 @@ class Model:
         k = self.draft_tokens if draft_tokens is None else draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"draft_tokens={k!r}: expected a non-negative integer")
-        if k and not self.max_draft_tokens and not self.drafts_unavailable:
+        most = self.capabilities.max_draft_tokens
+        if k and not most and not self.drafts_unavailable:
             raise ValueError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
-        if k > self.max_draft_tokens and not self.drafts_unavailable:
-            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {self.max_draft_tokens} drafts a call")
+        if k > most and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
         # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
         return 0 if constraint is not None or self.drafter is None else k
 
