@@ -456,7 +456,8 @@ class Model:
                 proposals.append(proposal)
             rows, hidden = engine.verify([token, *drafts] + [0] * (engine.verify_batch - 1 - n))
         except FunctionUnavailable as e:
-            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=4)
+            # the caller's line: past this, the step generator, _run and stream_generate
+            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=5)
             self.drafter, self.drafts_unavailable = None, True
             return None
         out = []
