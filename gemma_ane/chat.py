@@ -1,4 +1,5 @@
 """Prompts in, text out: the chat template, streaming detokenisation, thinking, tool calls and stop strings.
+(Gemma 4's own format, the built-in formatter for bundles without a template included, is gemma4.py's.)
 
 A bundle is a downloaded file, so its chat template is untrusted code: it is rendered in jinja2's
 ImmutableSandboxedEnvironment, which refuses attribute access to Python internals, bounded in work
@@ -8,7 +9,6 @@ as well (see _Sandbox): a template cannot hold a CPU or fill the memory.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 import threading
@@ -23,24 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-from .errors import InputError
+from .gemma4 import ChatError, gemma4_prompt
 from .tokens import CHANNEL_CLOSE, CHANNEL_OPEN, SPECIAL_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from .tools import MAX_DEPTH, ToolCall, call_id, declaration, gemma_value, parse_call, too_deep
-
-# the turn each role opens; "tool" messages open none: they are answers to the calls before them
-ROLES = {
-    "system": "system",
-    "developer": "developer",
-    "user": "user",
-    "assistant": "model",
-    "model": "model",
-    "tool": "tool",
-}
-
-
-class ChatError(InputError):
-    """A conversation or template that cannot be rendered; the message says why."""
-
+from .tools import MAX_DEPTH, ToolCall, call_id, parse_call, too_deep
 
 # -- the sandbox, bounded in work ------------------------------------------------------------------
 # jinja2's sandbox keeps a template from Python's internals, not from looping for hours or building a
@@ -384,120 +369,6 @@ def escape_content(messages: list, escape) -> list:
             m = {**m, "tool_calls": [call(c) for c in m["tool_calls"]]}
         out.append(m)
     return out
-
-
-# -- the built-in formatter -------------------------------------------------------------------------
-
-
-IMAGE_PLACEHOLDER = "<|image|>"  # what the template renders for an image part; the runtime expands it (encoder.py)
-
-
-def _parts(message: dict, images: bool = True) -> list[str]:
-    """The content's parts as the template renders them: text, and the placeholder for each image part (system
-    turns and tool results: text only)."""
-    content = message.get("content")
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    parts = []
-    for p in content if isinstance(content, list) else [None]:
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind == "text" and isinstance(p.get("text"), str):
-            parts.append(p["text"])
-        elif kind in ("image", "image_url"):
-            parts += [IMAGE_PLACEHOLDER] if images else []
-        else:
-            raise ChatError("message content must be a string or a list of text and image parts")
-    return parts
-
-
-def _strip_thinking(text: str) -> str:
-    """The template's strip_thinking: a model turn loses every <|channel>...<channel|> block (an unclosed one
-    runs to the end of its part)."""
-    return "".join(part.split("<|channel>")[0] for part in text.split("<channel|>")).strip()
-
-
-def _call(call: dict) -> str:
-    f = call["function"]
-    arguments = f.get("arguments", "")  # the template refuses a missing one as it refuses a string
-    if arguments is not None and not isinstance(arguments, Mapping):
-        raise ChatError("tool_calls[].function.arguments must be a JSON object (mapping), not a string")
-    return f"<|tool_call>call:{f['name']}{gemma_value(arguments or {})}<tool_call|>"
-
-
-def _response(name: str, body) -> str:
-    value = gemma_value(body) if isinstance(body, Mapping) else "{value:" + gemma_value(body) + "}"
-    return f"<|tool_response>response:{name}{value}<tool_response|>"
-
-
-def _responses(message: dict, following: list[dict]) -> list[str]:
-    """The results answering `message`'s calls: its own tool_responses (Gemma's form), or else the role "tool"
-    messages right after it (OpenAI's), each named by the call its tool_call_id points at."""
-    if message.get("tool_responses"):
-        return [_response(r.get("name") or "unknown", r.get("response")) for r in message["tool_responses"]]
-    if not message.get("tool_calls"):
-        return []
-    out = []
-    for m in itertools.takewhile(lambda t: t["role"] == "tool", following):
-        name = m.get("name") or "unknown"
-        for call in message["tool_calls"]:  # the last match wins, as in the template
-            if call.get("id") == m.get("tool_call_id"):
-                name = call["function"]["name"]
-        body = m.get("content")
-        out.append(_response(name, "".join(_parts(m, images=False)) if isinstance(body, list) else body))
-    return out
-
-
-def gemma4_prompt(
-    messages: list[dict],
-    add_generation_prompt: bool = True,
-    enable_thinking: bool = False,
-    bos_token: str = "<bos>",
-    tools: list[dict] | None = None,
-) -> str:
-    """The built-in Gemma 4 formatter, for bundles that carry no template: what google/gemma-4-E2B-it's own
-    chat template renders for a text-only conversation, tools, calls and results included (tests/test_chat.py
-    and tests/test_tools.py hold the two equal)."""
-    for m in messages:
-        if m.get("role") not in ROLES:
-            raise ChatError(f"unknown role {m.get('role')!r}: expected one of {', '.join(ROLES)}")
-    out = [bos_token]
-    system = messages[0] if messages and messages[0]["role"] in ("system", "developer") else None
-    if system or enable_thinking or tools:  # thinking is switched on by <|think|> opening a system turn
-        sep = " " if system and isinstance(system.get("content"), list) else ""  # the template's quirk
-        text = "".join(p.strip() + sep for p in _parts(system, images=False)) if system else ""
-        out.append("<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + text)
-        out += [f"<|tool>{declaration(t)}<tool|>" for t in tools or []]
-        out.append("<turn|>\n")
-    turns = messages[1:] if system else messages
-    last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=-1)
-    ended, previous = None, None  # what the last message ended in ("calls", "results"); the last non-tool role
-    for i, m in enumerate(turns):
-        if m["role"] == "tool":
-            continue  # rendered with the calls it answers (or, answering none, dropped)
-        role, calls, responses = ROLES[m["role"]], m.get("tool_calls"), _responses(m, turns[i + 1 :])
-        # Consecutive assistant messages are one model turn (tool results between them included).
-        if not (role == "model" and previous == "assistant"):
-            out.append(f"<|turn>{role}\n")
-        thought = m.get("reasoning") or m.get("reasoning_content")
-        if thought and i > last_user:  # reasoning from before the last user turn is not replayed
-            out.append(f"<|channel>thought\n{thought}\n<channel|>")
-        out += [_call(c) for c in calls or []] + responses
-        ended = "results" if responses else "calls" if calls else None
-        text = "".join(_strip_thinking(p) if role == "model" else p.strip() for p in _parts(m))
-        out.append(text)
-        after = next((t["role"] for t in turns[i + 1 :] if t["role"] != "tool"), None)
-        if ended == "calls":
-            out.append("<|tool_response>")  # unanswered calls: the results come next, in this turn
-        elif not ((role == "model" and after == "assistant") or (responses and not text.strip() and after is None)):
-            out.append("<turn|>\n")  # (results that end the conversation leave the turn open for the answer)
-        previous = m["role"]
-    if add_generation_prompt and ended is None:
-        out.append("<|turn>model\n")
-    elif add_generation_prompt and ended == "results" and enable_thinking:
-        out.append("<|channel>thought\n")
-    return "".join(out)
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "?"}}

@@ -19,6 +19,7 @@ from .errors import GemmaAneError
 from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .images import MAX_PIXELS
+from .sampling import FIELDS, SamplingParams
 from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
 from .tools import MAX_DEPTH
 
@@ -201,11 +202,21 @@ def cmd_inspect(a):
 
 
 def _sampling(a) -> dict:
-    return {
-        k: getattr(a, k)
-        for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-        if getattr(a, k) is not None
-    }
+    """The sampling flags given (sampling.FIELDS), as stream_generate's keyword arguments."""
+    out = {f.name: getattr(a, f.name) for f in FIELDS if getattr(a, f.name) is not None}
+    if "logit_bias" in out:
+        out["logit_bias"] = dict(out["logit_bias"])
+    SamplingParams(**out).validate()  # a value out of range is refused before the bundle loads
+    return out
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias's ID=BIAS; the ranges are checked where every caller's are (SamplingParams)."""
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ID=BIAS, e.g. 106=-100") from None
 
 
 def cmd_generate(a):
@@ -424,12 +435,12 @@ def _add_sampling(s):
     s.add_argument("--max-tokens", type=int, default=256)
     s.add_argument("--system")
     s.add_argument("--think", action="store_true", help="thinking mode: reasoning goes to stderr")
-    s.add_argument("--temperature", type=float)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--repetition-penalty", type=float)
-    s.add_argument("--seed", type=int)
+    for f in FIELDS:  # one flag a sampling field, as the server takes them
+        flag = "--" + f.name.replace("_", "-")
+        if f.kind is dict:
+            s.add_argument(flag, type=_bias, action="append", metavar="ID=BIAS", help=f.help)
+        else:
+            s.add_argument(flag, type=f.kind, metavar="N" if f.kind is int else "X", help=f.help)
     s.add_argument("--draft", type=int, default=0, metavar="K", help=DRAFT_HELP)
     s.add_argument(
         "--prompt-cache",

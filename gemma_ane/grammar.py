@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InputError
+from .gemma4 import GEMMA_VALUES
 from .tokens import (
     CHANNEL_CLOSE,
     CHANNEL_OPEN,
@@ -36,26 +37,12 @@ from .tokens import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_OPEN,
-    byte_symbols,
+    token_bytes,
 )
 from .tools import MAX_DEPTH, too_deep
 
 WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 
-# Gemma's values, as the template's format_argument writes them (escape_keys=False): no whitespace, keys
-# bare, strings between <|"|> tokens. (Excluding the text <|"|> from strings, as the template cannot write
-# it either, makes llguidance walk the whole vocabulary: 6-15 ms a token instead of 0.1 ms.)
-GEMMA_VALUES = f"""
-g_value: g_string | G_NUMBER | "true" | "false" | "null" | g_object | g_array
-g_string: <[{STRING_DELIM}]> G_TEXT? <[{STRING_DELIM}]>
-g_object: "{{" (g_pair ("," g_pair)*)? "}}"
-g_pair: G_KEY ":" g_value
-g_array: "[" (g_value ("," g_value)*)? "]"
-G_TEXT: /(?s:.+)/
-G_KEY: /[^\\s:{{}}\\[\\],]{{1,64}}/
-G_INT: /-?(0|[1-9][0-9]{{0,15}})/
-G_NUMBER: /-?(0|[1-9][0-9]{{0,15}})(\\.[0-9]{{1,16}})?([eE][-+]?[0-9]{{1,3}})?/
-"""
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 THINKING = f"think: <[{CHANNEL_OPEN}]> THINK_TEXT? <[{CHANNEL_CLOSE}]>\nTHINK_TEXT: /(?s:.+)/\n"
 
@@ -294,12 +281,13 @@ def _bounds(lo, hi) -> bool:
 def _tokenizer(path: str, vocab_size: int, stop_ids: tuple[int, ...]):
     """llguidance's tokenizer for a tokenizer.json: 2 s for 262,144 tokens (bench/host_overhead.py). Built
     from the token bytes read here, not by llguidance's own loader, which takes minutes on a tokenizer with
-    10^5 added tokens (the tiny tokenizer padded to 262,144 ids has 261,136: 9 minutes)."""
+    10^5 added tokens (the tiny tokenizer padded to 262,144 ids has 261,136: 9 minutes); any tokenizer's
+    decoder is read (tokens.TokenBytes), Metaspace's included."""
     from tokenizers import Tokenizer
 
-    text = Path(path).read_text(encoding="utf-8")
-    hf = Tokenizer.from_str(text)
-    tokens, special = _token_bytes(hf, json.loads(text).get("decoder") or {})
+    config = json.loads(Path(path).read_text(encoding="utf-8"))
+    hf = Tokenizer.from_str(json.dumps(config)) if _continuing(config) else Tokenizer.from_file(path)
+    tokens, special = token_bytes(hf)
 
     class Vocabulary:  # what llguidance.TokenizerWrapper reads
         eos_token_id, bos_token_id, special_token_ids = stop_ids[0], None, special
@@ -311,43 +299,22 @@ def _tokenizer(path: str, vocab_size: int, stop_ids: tuple[int, ...]):
     return _lib().LLTokenizer(_lib().TokenizerWrapper(Vocabulary()), eos_token=list(stop_ids))
 
 
-# the byte-level alphabet's characters -> the bytes they stand for (as latin-1); others fail the encode
-_BYTE_LEVEL = {ord(c): chr(b) for b, c in enumerate(byte_symbols())}
-_BYTE_LEVEL |= {b: "\uffff" for b in range(256) if b not in _BYTE_LEVEL}
-
-
-def _token_bytes(hf, decoder: dict) -> tuple[list[bytes], list[int]]:
-    """Each token's bytes and the special ids, as llguidance's loader (toktrie_hf_tokenizers) reads them:
-    added tokens marked special or spelled <...> are special; the others are decoded by byte fallback
-    (<0xHH>, and the decoder's stand-in for a space: SentencePiece style, Gemma's) or the byte-level
-    alphabet; a name neither explains keeps its added content, or no bytes."""
-    steps = decoder.get("decoders") or [decoder]  # a Sequence, or one decoder
-    kinds = {step.get("type") for step in steps}
-    replace = [d.get("pattern", {}).get("String") for d in steps if d.get("type") == "Replace" and d["content"] == " "]
-    space = next(filter(None, replace), " ")
-    if not kinds & {"ByteFallback", "ByteLevel"}:
-        raise GrammarError(f"cannot read the token bytes of a tokenizer with decoder {sorted(kinds)}")
-
-    def read(name: str) -> bytes | None:
-        if "ByteFallback" in kinds:
-            if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
-                return bytes([int(name[3:5], 16)])
-            return name.replace(space, " ").encode()
-        try:
-            return name.translate(_BYTE_LEVEL).encode("latin-1")
-        except UnicodeEncodeError:
-            return None
-
-    added = hf.get_added_tokens_decoder()
-    special = sorted(
-        i for i, t in added.items() if t.special or (t.content.startswith("<") and t.content.endswith(">"))
-    )
-    tokens, is_special = [], set(special)
-    for i in range(hf.get_vocab_size(with_added_tokens=True)):
-        name = hf.id_to_token(i)
-        token = None if name is None else name.encode() if i in is_special else read(name)
-        tokens.append(token if token is not None else added[i].content.encode() if i in added else b"")
-    return tokens, special
+def _continuing(config: dict) -> bool:
+    """Turns off, in a tokenizer.json's `config`, the space a SentencePiece tokenizer puts before a text
+    (Metaspace's prepend_scheme, a Prepend normalizer); whether there was one. llguidance tokenizes text
+    that continues an output: with that space, a grammar's "{" would be forced as the token "▁{"."""
+    changed = False
+    pre = config.get("pre_tokenizer") or {}
+    for step in pre.get("pretokenizers") or [pre]:
+        if step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never":
+            step["prepend_scheme"], changed = "never", True
+    norm = config.get("normalizer") or {}
+    if norm.get("type") == "Prepend":
+        config["normalizer"], changed = None, True
+    elif any(step.get("type") == "Prepend" for step in norm.get("normalizers") or []):
+        norm["normalizers"] = [step for step in norm["normalizers"] if step.get("type") != "Prepend"]
+        changed = True
+    return changed
 
 
 class Constraint:

@@ -11,8 +11,9 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,29 +33,56 @@ from .chat import (
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
+from .events import Event, Result, Stats
 from .files import read_json
-from .images import MAX_PIXELS
+from .images import MAX_PIXELS, ImageError
 from .sampling import BAN, Sampler, SamplingError, SamplingParams
-from .tokens import BOS, EOS, STOP_IDS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ControlTokens
-from .tools import ToolCall, check_tool_choice, check_tools, prepare_messages
+from .tokens import (
+    BOS,
+    EOS,
+    STOP_IDS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    TURN_CLOSE,
+    ControlTokens,
+)
+from .tools import check_tool_choice, check_tools, prepare_messages
+
+
+class Step(NamedTuple):
+    """What both step generators yield (Model._generate_step, Model._speculative_generate_step): a token, and the
+    logits it was drawn from (its logprobs are read from them)."""
+
+    token: int
+    logits: np.ndarray
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a bundle can do, asked in one place (Model.prepare)."""
+
+    logits: bool  # chunk_3 returns logits; False: the published layout's argmax head (greedy only, no constraints)
+    vision: bool  # it has an image encoder
+    max_draft_tokens: int  # the most drafts a verify call checks; 0: no drafter
 
 
 @dataclass
-class Stats:
-    """How a generation went; carried on the last Event and on the Result (as mlx-lm's
-    GenerationResponse carries its timings)."""
+class Request:
+    """One generation checked and tokenized by Model.prepare; Model.stream_generate(request=...) runs it. Used
+    once: its grammar's state follows one output."""
 
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose K/V were already cached: not processed again
-    generated_tokens: int = 0
-    time_to_first_token: float = 0.0  # seconds: prompt processing plus the first draw
-    prefill_tokens_per_s: float = 0.0  # prompt tokens processed (not reused) per second
-    decode_tokens_per_s: float = 0.0  # tokens after the first, per second
-    # speculative decoding (draft_tokens): drafts the target accepted / drafts proposed, and tokens emitted per
-    # verify call (accepted drafts plus the target's own token, less any a stop cut off); 0.0 when no draft was
-    # verified
-    acceptance_rate: float = 0.0
-    tokens_per_verify: float = 0.0
+    ids: list[int]  # the prompt, each image one placeholder (expanded when it runs)
+    marks: list[int]  # turn ends: where the engine snapshots its rings
+    sources: list  # the media, in their placeholders' order
+    params: SamplingParams
+    stop: list[str]
+    tools: list | None
+    parallel_tool_calls: bool
+    rule: _Rule  # what may be drawn: the grammar, logit_bias's bans and tool_choice "none"'s
+    drafts: int  # drafts a verify call; 0: plain decoding
+    max_tokens: int
 
 
 @dataclass
@@ -72,29 +100,9 @@ class _Speculation:
         self.accepted += emitted - 1
 
 
-@dataclass
-class Result(Stats):
-    text: str = ""
-    reasoning: str = ""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "tool_calls"
-
-
-@dataclass
-class Event(Stats):
-    """One streamed step: the token, the text it released (answer and/or reasoning). The last
-    event has no token; it carries why generation ended and the Stats."""
-
-    token: int | None = None
-    text: str = ""
-    reasoning: str = ""
-    logprob: float | None = None
-    top_logprobs: list = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls this token completed
-    finish_reason: str | None = None
+# tokens after a conversation's last turn end that are only the generation prompt ("<|turn>model\n", a thought
+# channel's opening): no later conversation parts there that would not part at the prompt's end
+_GENERATION_PROMPT = 8
 
 
 def _check(cancelled) -> None:
@@ -209,17 +217,27 @@ class Model:
         return control.encode(text, mark)
 
     def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False, tools=None) -> list[int]:
-        """Where each message's turn ends in `ids` (the prompt for `messages`), for every turn whose
-        rendering alone is a prefix of it: where a later conversation may part from this one (an
-        edited last message, an answer re-rendered without its thinking), so the engine
-        snapshots its rings there and reuse survives the part. Only the newest MAX_SNAPSHOTS turns:
-        the engine keeps no more snapshots than that, and each turn costs a render."""
+        """Where the messages end in `ids` (the prompt for `messages`): after each <turn|> and its newline, after
+        a message's calls (<tool_call|><|tool_response>) and after each result (<tool_response|>), found in the ids
+        themselves, without rendering again. Where a later conversation may part from this one (an edited
+        last message, an answer re-rendered without its thinking), so the engine snapshots its rings there and
+        reuse survives the part. The newest MAX_SNAPSHOTS, the engine keeping no more, before the last message's
+        own end when only the generation prompt follows it (the prompt's end is snapshotted anyway). `messages`,
+        `enable_thinking` and `tools` are what `ids` were rendered from: the ids alone now say where turns end."""
+        newline = self.encode("\n")
         ends = []
-        for k in range(max(1, len(messages) - MAX_SNAPSHOTS), len(messages)):
-            part = self.chat_ids(messages[:k], False, enable_thinking, tools)
-            if 0 < len(part) < len(ids) and ids[: len(part)] == part:
-                ends.append(len(part))
-        return ends
+        for i, t in enumerate(ids):
+            if t == TURN_CLOSE:
+                end = i + 1 + len(newline) * (ids[i + 1 : i + 1 + len(newline)] == newline)
+            elif t == TOOL_RESPONSE_CLOSE or (t == TOOL_RESPONSE_OPEN and i and ids[i - 1] == TOOL_CALL_CLOSE):
+                end = i + 1  # a message of calls ends in their turn, awaiting results; a tool message, after its own
+            else:
+                continue
+            if end < len(ids):
+                ends.append(end)
+        if ends and len(ids) - ends[-1] <= _GENERATION_PROMPT:
+            ends.pop()
+        return ends[-MAX_SNAPSHOTS:]
 
     def reset(self) -> None:
         self.engine.reset()
@@ -235,7 +253,12 @@ class Model:
         """Start from a file save_prompt_cache wrote for this bundle; returns the tokens it holds."""
         return prompt_cache.load(path, self.engine, prompt_cache.fingerprint(self.root))
 
-    def stream_generate(
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this bundle can do, asked in one place (prepare) for every generation."""
+        return Capabilities(self.head == "logits", self.images is not None, self.max_draft_tokens)
+
+    def prepare(
         self,
         prompt=None,
         messages=None,
@@ -250,67 +273,90 @@ class Model:
         parallel_tool_calls: bool = True,
         response_format: dict | None = None,
         draft_tokens: int | None = None,
-        cancelled=None,
         **sampling,
-    ) -> Iterator[Event]:
-        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
-
-        tools: OpenAI-style function declarations, rendered by the chat template; the calls the model
-        makes come back on Event.tool_calls, and a turn that ends in calls finishes with "tool_calls".
-        tool_choice: "auto", "none" (the model cannot open a call), "required" or a function's name
-        (the output is forced to be calls, by constrained decoding). response_format: OpenAI's
-        {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by constrained decoding.
-        draft_tokens: speculative decoding with the bundle's drafter, K drafts per verify call (default:
-        `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for token; sampled output
-        follows the same distribution. Constrained generations decode one token at a time. cancelled: a callable
-        asked during the prompt's processing (between its steps and prefill batches); once it returns true,
-        Cancelled is raised, so a caller that has gone stops costing host time before the first token."""
+    ) -> Request:
+        """One generation checked and tokenized, every check made, the template rendered once and the grammar
+        compiled once: what stream_generate runs (its arguments are these; see there). The server prepares a
+        request before it queues, so the worker only runs it. Errors: SamplingError, StopError, ToolError,
+        GrammarError, ChatError, ImageError (images for a bundle without a vision model), ValueError. A prompt
+        longer than the context is refused when it runs, once its images are expanded (len(ids) counts one
+        placeholder an image)."""
+        caps = self.capabilities
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
-        if self.head != "logits" and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
+        if not caps.logits and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
             raise ValueError(
                 "this bundle's chunk_3 returns only the argmax token (published layout): "
                 "sampling and logit_bias are not possible; use temperature=0"
             )
         stop = check_stop(stop)
         tools = check_tools(tools) if tools is not None else None
-        choice = check_tool_choice(tool_choice, tools)
-        if choice == "none":
-            params.logit_bias = {**(params.logit_bias or {}), TOOL_CALL_OPEN: BAN}
-        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        rule = _Rule(constraint, params.logit_bias, choice, self.config["vocab_size"])
-        rule.check_start()
-        drafts = self._drafts(draft_tokens, constraint)
+        rule = self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, params.logit_bias)
+        drafts = self._drafts(draft_tokens, rule.constraint)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
+        marks = self.turn_ends(conversation, ids) if conversation else []
         sources = media_sources(conversation)
+        if sources and not caps.vision:  # refused here, before a server queues it, not once it runs
+            raise ImageError(f"{sources[0][1]}: this bundle has no vision model (converted without one)")
+        return Request(ids, marks, sources, params, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
+
+    def stream_generate(
+        self, prompt=None, messages=None, *, request: Request | None = None, cancelled=None, **kw
+    ) -> Iterator[Event]:
+        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
+
+        max_tokens, stop, raw, enable_thinking, system: as their names say. tools: OpenAI-style function
+        declarations, rendered by the chat template; the calls the model makes come back on Event.tool_calls,
+        and a turn that ends in calls finishes with "tool_calls". tool_choice: "auto", "none" (the model cannot
+        open a call), "required" or a function's name (the output is forced to be calls, by constrained
+        decoding). response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also
+        enforced by constrained decoding. draft_tokens: speculative decoding with the bundle's drafter, K drafts
+        per verify call (default: `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for
+        token; sampled output follows the same distribution. Constrained generations decode one token at a time.
+        The sampling fields (sampling.FIELDS) as keywords. request: one `prepare` made, instead of all these.
+        cancelled: a callable asked during the prompt's processing (between its steps and prefill batches); once
+        it returns true, Cancelled is raised, so a caller that has gone stops costing host time before the first
+        token."""
+        if request is None:
+            request = self.prepare(prompt, messages, **kw)
+        elif prompt is not None or messages is not None or kw:
+            raise ValueError("give a prepared request or a prompt and its options, not both")
+        yield from self._run(request, cancelled)
+
+    def _run(self, request: Request, cancelled) -> Iterator[Event]:
+        """The generation `request` describes: its media encoded, the prompt processed, then the layers: the steps
+        of plain or speculative decoding (sibling generators of Steps), detokenized and parsed here into Events,
+        with the Stats last (as mlx-lm's generate_step / speculative_generate_step under stream_generate, under
+        generate)."""
+        params, max_tokens, parser = request.params, request.max_tokens, None
         t0 = time.perf_counter()  # the images' encoding counts as prompt time
-        marks = self.turn_ends(conversation, ids, enable_thinking, tools) if conversation else []
         _check(cancelled)
-        ids, marks, self.engine.soft_tokens = expand_media(ids, marks, self.encoders, sources, self.context)
+        ids, marks, self.engine.soft_tokens = expand_media(
+            request.ids, request.marks, self.encoders, request.sources, self.context
+        )
         _check(cancelled)
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
-        parser = OutputParser(self.tokenizer, stop, tools=tools)
+        parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
-        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0]), _Speculation()
+        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.rule.bans), _Speculation()
         steps = (
-            self._speculate(logits, sampler, drafts, max_tokens, spec)
-            if drafts
-            else self._decode(logits, sampler, rule)
+            self._speculative_generate_step(logits, sampler, request.drafts, max_tokens, spec)
+            if request.drafts
+            else self._generate_step(logits, sampler, request.rule)
         )
         generated, finish, t_first = 0, None, None
+        # the published head returns the chosen id only: no distribution to report
+        report = params.logprobs is not None and self.capabilities.logits
         try:
             for token, logits in steps if max_tokens else ():
                 t_first = t_first or time.perf_counter()
-                # the published head returns the chosen id only: no distribution to report
-                lp, top = (None, [])
-                if self.head == "logits" and params.logprobs is not None:
-                    lp, top = sampler.logprobs(logits, token)
+                lp, top = sampler.logprobs(logits, token) if report else (None, [])
                 generated += 1
                 if token in self.stop_ids:
                     finish = "tool_calls" if parser.tool_calls else "stop"
@@ -329,7 +375,7 @@ class Model:
                 if parser.stopped:
                     finish = "stop"
                     break
-                if delta.tool_calls and not parallel_tool_calls:
+                if delta.tool_calls and not request.parallel_tool_calls:
                     finish = "tool_calls"  # one call asked for: its response comes before anything else
                     break
                 # the context holds the prompt and every token but this one, which is not fed: no chunk runs for it
@@ -355,8 +401,8 @@ class Model:
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
         )
 
-    def _decode(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[tuple[int, object]]:
-        """(token, the logits it was drawn from), one chunk call per token."""
+    def _generate_step(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[Step]:
+        """Plain decoding's steps: a token and the logits it was drawn from, one chunk call per token."""
         constraint = rule.constraint
         while True:
             token = self._pick(sampler, logits) if constraint is None else self._allowed_pick(sampler, logits, rule)
@@ -364,17 +410,17 @@ class Model:
                 constraint.advance(token)
                 rule.steps += 1
             sampler.observe(token)
-            yield token, logits
+            yield Step(token, logits)
             logits = self.engine.feed([token])[-1]
 
-    def _speculate(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[tuple[int, object]]:
-        """As _decode, but the drafter proposes up to k tokens after the last one and one verify call checks
+    def _speculative_generate_step(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[Step]:
+        """As _generate_step, but the drafter proposes up to k tokens after the last one and one verify call checks
         them all: each emitted token is the one the target's own sampling gives (Sampler.verify). Where no
         verify call fits (the context's end, the ring's edge) or fewer than two tokens remain: one plain step."""
         engine = self.engine
         token = sampler.sample(logits)
         sampler.observe(token)
-        yield token, logits
+        yield Step(token, logits)
         emitted = 1
         while True:
             n = min(k, budget - emitted - 1)
@@ -388,7 +434,7 @@ class Model:
             start = engine.position - len(batch)  # where the last token before this batch is cached
             for i, (token, row) in enumerate(batch):
                 try:
-                    yield token, row
+                    yield Step(token, row)
                 except GeneratorExit:
                     engine.rewind(start + i + 1)  # as plain decoding: every token taken but the last is cached
                     if verified:  # a stop inside the batch: what followed it was never emitted
@@ -410,7 +456,8 @@ class Model:
                 proposals.append(proposal)
             rows, hidden = engine.verify([token, *drafts] + [0] * (engine.verify_batch - 1 - n))
         except FunctionUnavailable as e:
-            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=4)
+            # the caller's line: past this, the step generator, _run and stream_generate
+            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=5)
             self.drafter, self.drafts_unavailable = None, True
             return None
         out = []
@@ -439,10 +486,11 @@ class Model:
         k = self.draft_tokens if draft_tokens is None else draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"draft_tokens={k!r}: expected a non-negative integer")
-        if k and not self.max_draft_tokens and not self.drafts_unavailable:
+        most = self.capabilities.max_draft_tokens
+        if k and not most and not self.drafts_unavailable:
             raise ValueError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
-        if k > self.max_draft_tokens and not self.drafts_unavailable:
-            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {self.max_draft_tokens} drafts a call")
+        if k > most and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
         # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
         return 0 if constraint is not None or self.drafter is None else k
 
@@ -451,8 +499,10 @@ class Model:
         text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
         if text is None:
             return None
-        if self.head != "logits":
-            raise ValueError("this bundle's chunk_3 returns only the argmax token: constrained decoding needs logits")
+        if not self.capabilities.logits:
+            field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for a grammar
+            why = "constrained decoding needs logits; this bundle's head returns only the chosen token"
+            raise grammar.GrammarError(f"{field}: {why}", param=field)
         tokenizer = self.root / layout.HF_TOKENIZER
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
@@ -480,10 +530,17 @@ class Model:
         token to draw (the grammar's first tokens all banned, or a grammar this tokenizer cannot spell): for
         the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
         tools = check_tools(tools) if tools is not None else None
+        self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, logit_bias)
+
+    def _rule(self, tools, tool_choice, parallel: bool, response_format, thinking: bool, logit_bias) -> _Rule:
+        """What this generation may draw (`tools` already checked): its grammar compiled, tool_choice "none"'s
+        ban, logit_bias's; refused (see _Rule.check_start) when that leaves no first token."""
         choice = check_tool_choice(tool_choice, tools)
-        bias = {**(logit_bias or {}), **({TOOL_CALL_OPEN: BAN} if choice == "none" else {})}
-        constraint = self._constraint(tools, choice, parallel_tool_calls, response_format, enable_thinking)
-        _Rule(constraint, bias, choice, self.config["vocab_size"]).check_start()
+        constraint = self._constraint(tools, choice, parallel, response_format, thinking)
+        bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
+        rule = _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans)
+        rule.check_start()
+        return rule
 
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
@@ -507,12 +564,14 @@ class Model:
 
 
 class _Rule:
-    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias
-    bans (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
+    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias and
+    `bans` ban (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
 
-    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int):
+    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
         self.constraint, self.vocab, self.choice = constraint, vocab, choice
-        self.banned = np.array(sorted(t for t, b in (logit_bias or {}).items() if b == BAN), np.int64)
+        self.bans = [int(t) for t in bans]
+        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | set(self.bans)
+        self.banned = np.array(sorted(banned), np.int64)
         self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
         self.steps = 0
 

@@ -1,13 +1,14 @@
 """Choosing the next token from chunk_3's logits (fp32, numpy).
 
-Order, as in transformers and llama.cpp: penalties on the raw logits, then OpenAI's logit bias,
-then temperature, then the truncations (top-k, top-p, min-p), then a draw. Logprobs are reported
-from the model's own distribution (log-softmax of the raw logits), which is what OpenAI-style
-clients expect.
+Order, as in transformers and llama.cpp: the logits processors (make_logits_processors: penalties on the raw
+logits, then OpenAI's logit bias, then the runtime's bans), then temperature, then the truncations (top-k, top-p,
+min-p), then a draw. Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which
+is what OpenAI-style clients expect.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -23,8 +24,48 @@ class SamplingError(InputError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class Field:
+    """One sampling parameter, declared once: SamplingParams checks it by this, the CLI makes its flag from it
+    (`--top-k`, with `help`) and the server its JSON field's type check."""
+
+    name: str
+    kind: type  # float, int, or dict (logit_bias)
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is out of range
+
+    def check(self, value) -> None:
+        """A SamplingError naming the field unless `value` is of its kind and within its bounds (not None)."""
+        name, integer = self.name, self.kind is int
+        kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not np.isfinite(value):
+            raise SamplingError(f"{name}={value!r}: expected {'an integer' if integer else 'a number'}", param=name)
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            raise SamplingError(f"{name}={value!r}: must be {'>' if self.lo_open else '>='} {self.lo}", param=name)
+        if self.hi is not None and value > self.hi:
+            raise SamplingError(f"{name}={value!r}: must be <= {self.hi}", param=name)
+
+
+FIELDS = (
+    Field("temperature", float, "0 decodes greedily (default: the bundle's generation config)", 0.0),
+    Field("top_k", int, "draw from the k most likely tokens only (0: all)", 0),
+    Field("top_p", float, "draw from the fewest most likely tokens holding this probability", 0.0, 1.0, True),
+    Field("min_p", float, "drop tokens less likely than this fraction of the most likely one", 0.0, 1.0),
+    Field("repetition_penalty", float, "divide positive, multiply negative logits of tokens seen", 0.0, None, True),
+    Field("presence_penalty", float, "subtract this from the logit of every token seen", -2.0, 2.0),
+    Field("frequency_penalty", float, "subtract this times its count from the logit of every token seen", -2.0, 2.0),
+    Field("seed", int, "seed of the random stream: the same seed draws the same tokens", 0),
+    Field("logprobs", int, "report each token's logprob and this many most likely alternatives", 0, 20),
+    Field("logit_bias", dict, "add BIAS in [-100, 100] to token ID's logit (-100 bans it); as ID=BIAS, repeatable"),
+)
+
+
 @dataclass
 class SamplingParams:
+    """The sampling fields (their bounds and help: FIELDS)."""
+
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -43,34 +84,12 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Check every field (and the logit bias's ids against `vocab_size` when given); returns self."""
-
-        def num(name, lo=None, hi=None, lo_open=False, integer=False):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (integer and not float(v).is_integer())
-                or not np.isfinite(v)
-            ):
-                raise SamplingError(f"{name}={v!r}: expected {'an integer' if integer else 'a number'}", param=name)
-            if lo is not None and (v <= lo if lo_open else v < lo):
-                raise SamplingError(f"{name}={v!r}: must be {'>' if lo_open else '>='} {lo}", param=name)
-            if hi is not None and v > hi:
-                raise SamplingError(f"{name}={v!r}: must be <= {hi}", param=name)
-
-        num("temperature", 0.0)
-        num("top_k", 0, integer=True)
-        num("top_p", 0.0, 1.0, lo_open=True)
-        num("min_p", 0.0, 1.0)
-        num("repetition_penalty", 0.0, lo_open=True)
-        num("presence_penalty", -2.0, 2.0)
-        num("frequency_penalty", -2.0, 2.0)
-        if self.logprobs is not None:
-            num("logprobs", 0, 20, integer=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingError(f"seed={self.seed!r}: expected a non-negative integer", param="seed")
-        if self.logit_bias is not None:
-            self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        for f in FIELDS:
+            value = getattr(self, f.name)
+            if f.kind is dict:
+                self.logit_bias = None if value is None else _logit_bias(value, vocab_size)
+            elif value is not None or f.name not in ("seed", "logprobs"):  # the optional ones
+                f.check(value)
         return self
 
     @classmethod
@@ -183,21 +202,97 @@ class Proposal:
         return int(self.ids[min(int(np.searchsorted(c, u, side="right")), len(c) - 1)])
 
 
+# -- logits processors: the chain make_logits_processors builds, applied before the sampler draws -------------------
+
+
+class Processor(abc.ABC):
+    """One logits processor of the chain: it changes the fp32 logits of some tokens only, `ids` (sorted) or, when
+    `seen` is set, the tokens seen so far, given each one's count; `__call__(ids, x, counts)` returns the logits `x`
+    of the tokens `ids` (a superset of its own) changed. Sparse, so the fp16 fast path converts only the tokens some
+    processor touches."""
+
+    seen = False
+    ids = np.zeros(0, np.int64)
+
+    @abc.abstractmethod
+    def __call__(self, ids: np.ndarray, x: np.ndarray, counts: np.ndarray) -> np.ndarray: ...
+
+
+class RepetitionPenalty(Processor):
+    """transformers' rule: a seen token's positive logit divided by the penalty, its negative one multiplied."""
+
+    seen = True
+
+    def __init__(self, penalty: float):
+        self.penalty = np.float32(penalty)
+
+    def __call__(self, ids, x, counts):
+        r = self.penalty
+        return np.where(counts > 0, np.where(x > 0, x / r, x * r), x)
+
+
+class OccurrencePenalty(Processor):
+    """OpenAI's presence and frequency penalties, in its one formula: a seen token's logit less presence plus
+    frequency times its count."""
+
+    seen = True
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = np.float32(presence), np.float32(frequency)
+
+    def __call__(self, ids, x, counts):
+        return x - (self.presence * (counts > 0) + self.frequency * counts)
+
+
+class LogitBias(Processor):
+    """OpenAI's logit_bias: each token's bias added; BAN (-100) bans it (-inf: no temperature brings it back)."""
+
+    def __init__(self, bias: dict[int, float]):
+        ids = np.fromiter(bias, np.int64, len(bias))
+        add = np.array([-np.inf if b == BAN else b for b in bias.values()], np.float32)
+        order = np.argsort(ids)
+        self.ids, self.add = ids[order], add[order]
+
+    def __call__(self, ids, x, counts):
+        out = np.array(x, np.float32)
+        out[np.searchsorted(ids, self.ids)] += self.add
+        return out
+
+
+class Ban(LogitBias):
+    """Tokens no draw may take whatever the request's logit_bias says: tool_choice "none" bans <|tool_call>."""
+
+    def __init__(self, tokens):
+        super().__init__({int(t): BAN for t in tokens})
+
+
+def make_logits_processors(params: SamplingParams, bans=()) -> list[Processor]:
+    """The processors `params` ask for, in order: repetition penalty, presence and frequency penalties, logit bias,
+    then `bans` (the runtime's own: tool_choice "none"). None when nothing changes a logit: the fast path's case."""
+    p, out = params, []
+    if p.repetition_penalty != 1.0:
+        out.append(RepetitionPenalty(p.repetition_penalty))
+    if p.presence_penalty or p.frequency_penalty:
+        out.append(OccurrencePenalty(p.presence_penalty, p.frequency_penalty))
+    if p.logit_bias:
+        out.append(LogitBias(p.logit_bias))
+    if len(bans):
+        out.append(Ban(bans))
+    return out
+
+
 class Sampler:
     """Holds the random stream and the token counts: one Sampler per generation, so a seed
     reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
 
-    def __init__(self, params: SamplingParams, history=()):
+    def __init__(self, params: SamplingParams, history=(), bans=()):
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
         self.counts: dict[int, int] = {}
-        p = self.p
-        self._penalties = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-        bias = p.logit_bias or {}
-        ids = np.fromiter(bias, np.int64, len(bias))
-        vals = np.array([-np.inf if b == BAN else b for b in bias.values()], np.float32)
-        order = np.argsort(ids)
-        self._bias = ids[order], vals[order]
+        self.processors = make_logits_processors(self.p, bans)
+        self._penalties = any(q.seen for q in self.processors)
+        fixed = [q.ids for q in self.processors if not q.seen]
+        self._fixed = np.unique(np.concatenate(fixed)) if fixed else np.zeros(0, np.int64)
         self._arrays = None
         for t in history:
             self.observe(t)
@@ -208,46 +303,37 @@ class Sampler:
             self._arrays = None
 
     def _touched(self, vocab: int):
-        """(ids, counts, bias) of the tokens whose logits the penalties or the logit bias change
-        (counts 0: biased but unseen; bias 0: seen but unbiased), or None when they change none."""
-        bias_ids, bias = self._bias
-        if len(bias_ids) and bias_ids[-1] >= vocab:
-            raise SamplingError(
-                f"logit_bias: token {bias_ids[-1]} is not in the vocabulary of {vocab}", param="logit_bias"
-            )
+        """(ids, counts) of the tokens whose logits the processors change (counts 0: biased or banned but
+        unseen), or None when they change none."""
+        fixed = self._fixed
+        if len(fixed) and fixed[-1] >= vocab:
+            why = f"logit_bias: token {fixed[-1]} is not in the vocabulary of {vocab}"
+            raise SamplingError(why, param="logit_bias")
         seen = self.counts if self._penalties else {}
-        if not seen and not len(bias_ids):
+        if not seen and not len(fixed):
             return None
         if self._arrays is None:
             seen_ids = np.fromiter(seen, np.int64, len(seen))
-            ids = np.union1d(seen_ids, bias_ids)
-            counts, add = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+            ids = np.union1d(seen_ids, fixed)
+            counts = np.zeros(len(ids), np.float32)
             counts[np.searchsorted(ids, seen_ids)] = np.fromiter(seen.values(), np.float32, len(seen))
-            add[np.searchsorted(ids, bias_ids)] = bias
             keep = ids < vocab
-            self._arrays = ids[keep], counts[keep], add[keep]
+            self._arrays = ids[keep], counts[keep]
         return self._arrays
 
-    def _apply(self, x: np.ndarray, counts: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        """Repetition (transformers' rule: divide positive logits, multiply negative ones), then
-        presence and frequency penalties on the tokens seen (count > 0), then the logit bias, on
-        the fp32 logits of the touched tokens."""
-        p = self.p
-        seen = counts > 0
-        if p.repetition_penalty != 1.0:
-            r = np.float32(p.repetition_penalty)
-            x = np.where(seen, np.where(x > 0, x / r, x * r), x)
-        if p.presence_penalty or p.frequency_penalty:
-            x = x - (np.float32(p.presence_penalty) * seen + np.float32(p.frequency_penalty) * counts)
-        return (x + bias).astype(np.float32)
+    def _apply(self, ids: np.ndarray, x: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The processors in turn, on the fp32 logits `x` of the touched tokens `ids`."""
+        for processor in self.processors:
+            x = processor(ids, x, counts)
+        return x.astype(np.float32)
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
-        """The penalties over every token seen so far and the logit bias, on fp32 logits.
+        """The processors (penalties over every token seen so far, logit bias, bans) on fp32 logits.
         Modifies and returns `logits`."""
         touched = self._touched(len(logits))
         if touched is not None:
-            ids, counts, bias = touched
-            logits[ids] = self._apply(logits[ids], counts, bias)
+            ids, counts = touched
+            logits[ids] = self._apply(ids, logits[ids], counts)
         return logits
 
     @property
@@ -271,9 +357,9 @@ class Sampler:
         cand = top_indices(key, k)
         vals = logits[cand].astype(np.float32)
         if touched is not None:
-            ids, counts, bias = touched
+            ids, counts = touched
             cand = np.concatenate([cand, ids])
-            vals = np.concatenate([vals, self._apply(logits[ids].astype(np.float32), counts, bias)])
+            vals = np.concatenate([vals, self._apply(ids, logits[ids].astype(np.float32), counts)])
             order = np.lexsort((cand, -vals))[:k]
             cand, vals = cand[order], vals[order]
         return int(cand[0]) if self.greedy else self._pick(*self._top_k(cand, vals))

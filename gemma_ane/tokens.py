@@ -8,6 +8,8 @@ places the same tokens at the same ids, so nothing here depends on which one a b
 from __future__ import annotations
 
 import functools
+import json
+import re
 
 PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 THINK, CHANNEL_OPEN, CHANNEL_CLOSE, TURN_OPEN, TURN_CLOSE = 98, 100, 101, 105, 106
@@ -100,3 +102,77 @@ class ControlTokens:
 
     def _stretch(self, text: str, ids: list[int], mark: str) -> list[int]:
         return self._plain.encode(text.replace(mark, ""), add_special_tokens=False).ids if mark in text else ids
+
+
+# the byte-level alphabet's characters -> the bytes they stand for (as latin-1); others fail the encode
+_BYTE_LEVEL = {ord(c): chr(b) for b, c in enumerate(byte_symbols())}
+_BYTE_LEVEL |= {b: "\uffff" for b in range(256) if b not in _BYTE_LEVEL}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# decoders whose effect on one piece is a substitution (Strip and Fuse act on the whole text only)
+_SUBSTITUTING = {"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"}
+_SENTINEL = "\x01"  # a piece before the one read, so a decoder's rule for the text's start does not apply
+
+
+class TokenBytes:
+    """The bytes one token stands for, for any Hugging Face tokenizer (`tokenizers.Tokenizer`, or anything with
+    `id_to_token` and an optional `decoder`): the byte-level alphabet (GPT-2 style), byte fallback's <0xHH>,
+    Replace and Metaspace's stand-in for a space (SentencePiece style: Gemma's, and most of the Hub's); any
+    other decoder is asked what the piece adds after another. Decoding a token alone cannot say: a piece
+    holding part of a character decodes to U+FFFD, and a SentencePiece word loses its leading space."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoder = getattr(tokenizer, "decoder", None)
+        config = json.loads(self.decoder.__getstate__()) if self.decoder is not None else {}
+        steps = config.get("decoders") or ([config] if config else [])
+        kinds = {step.get("type") for step in steps}
+        self.byte_level = "ByteLevel" in kinds
+        self.byte_fallback = "ByteFallback" in kinds or not kinds  # no decoder: <0xHH> still names a byte
+        self.substitutions = [
+            (s["replacement"], " ") if s["type"] == "Metaspace" else (s["pattern"].get("String"), s["content"])
+            for s in steps
+            if s.get("type") in ("Metaspace", "Replace")
+        ]
+        self.substituting = kinds <= _SUBSTITUTING and all(a for a, _ in self.substitutions)
+
+    def __call__(self, token: int) -> bytes | None:
+        """The token's bytes; None for an id the tokenizer has no piece for, or a piece outside its alphabet."""
+        return self.piece(self.tokenizer.id_to_token(token))
+
+    def piece(self, name: str | None) -> bytes | None:
+        """The bytes a piece (a token's name in the vocabulary) stands for, as __call__."""
+        if name is None:
+            return None
+        if self.byte_level:
+            try:
+                return name.translate(_BYTE_LEVEL).encode("latin-1")
+            except UnicodeEncodeError:
+                return None
+        m = _BYTE_PIECE.fullmatch(name) if self.byte_fallback else None
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self.substituting:
+            for a, b in self.substitutions:
+                name = name.replace(a, b)
+            return name.encode()
+        before = self.decoder.decode([_SENTINEL])
+        text = self.decoder.decode([_SENTINEL, name])
+        return text[len(before) :].encode() if text.startswith(before) else None
+
+
+def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
+    """Every token's bytes and the special ids, as llguidance's loader (toktrie_hf_tokenizers) reads them: added
+    tokens marked special or spelled <...> are special, their bytes their name; the others' bytes are
+    TokenBytes'; a piece it cannot read keeps its added content, or no bytes. The one reading of token bytes:
+    the grammar's vocabulary and the server's logprobs both use it."""
+    read = TokenBytes(tokenizer)
+    added = tokenizer.get_added_tokens_decoder()
+    special = sorted(
+        i for i, t in added.items() if t.special or (t.content.startswith("<") and t.content.endswith(">"))
+    )
+    tokens, is_special = [], set(special)
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        name = tokenizer.id_to_token(i)
+        token = None if name is None else name.encode() if i in is_special else read.piece(name)
+        tokens.append(token if token is not None else added[i].content.encode() if i in added else b"")
+    return tokens, special

@@ -113,6 +113,12 @@ RUNTIME = {
     "encoder",
     "audio",
     "fetch",
+    "errors",
+    "events",
+    "gemma4",
+    "server_request",
+    "server_response",
+    "server_worker",
 } | in_folder("bundle")
 # tiny_train trains the demo preset with torch: the oracle's side, like tiny
 CONVERTER_SIDE = in_folder("convert") | {"verify", "evaluate", "tiny", "tiny_train", "tokenizer_files"}
