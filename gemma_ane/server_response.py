@@ -10,7 +10,7 @@ import math
 import time
 
 from .server_request import APIError, Request, error_of
-from .server_worker import _END, Job
+from .server_worker import END, Job
 from .tokens import TokenBytes
 
 
@@ -200,7 +200,7 @@ class Generation:
         watcher = asyncio.ensure_future(watch())
         try:
             first = await job.next()
-            if first is _END:
+            if first is END:
                 err = APIError(503, "the server is shutting down", type="server_error")
                 await _send_json(send, err.status, err.body())
             elif isinstance(first, BaseException):
@@ -218,7 +218,7 @@ class Generation:
 
     async def _whole(self, item, send) -> None:
         events = []
-        while item is not _END:
+        while item is not END:
             if isinstance(item, BaseException):
                 err = error_of(item)
                 await _send_json(send, err.status, err.body())
@@ -244,7 +244,7 @@ class Generation:
             }
         )
         chunks = self.render.start()
-        while item is not _END and not self.job.cancelled.is_set():
+        while item is not END and not self.job.cancelled.is_set():
             if isinstance(item, BaseException):
                 chunks.append(error_of(item).body())
                 break

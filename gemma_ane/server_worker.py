@@ -13,7 +13,7 @@ from .engine import Cancelled
 
 log = logging.getLogger("gemma_ane.server")
 
-_END = object()  # the worker's last item for a job: nothing more will come
+END = object()  # the worker's last item for a job: nothing more will come
 
 
 class Job:
@@ -93,7 +93,7 @@ class Worker:
                 self.current = None
                 with self._lock:
                     self._admitted -= 1
-                job.put(_END)
+                job.put(END)
 
     def _generate(self, job: Job) -> None:
         tokens = 0
