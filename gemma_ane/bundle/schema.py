@@ -24,7 +24,10 @@ ASSISTANT, VISION = "assistant", "vision"  # the one-function models' entries
 
 def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
     """The text model's fields: the checkpoint's shapes (a ModelSpec) and the chunk plan's, as the runtime and
-    the published layout's readers expect them."""
+    the published layout's readers expect them. A plan of other than three chunks also states each chunk's role
+    (`chunks`, ChunkPlan.describe); three chunks are the published layout's, whose readers know their roles, and
+    their model_config.json stays byte for byte what it was."""
+    chunks = {"chunks": plan.describe(bits)} if len(plan.chunks) != 3 else {}
     return {
         "model_name": name,
         "architecture": "gemma4",
@@ -54,6 +57,7 @@ def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
         "prefill_batch": plan.prefill_batch,
         "split": list(plan.split),
         "head": "token_id" if layout == "published" else "logits",
+        **chunks,
     }
 
 
@@ -124,7 +128,16 @@ TEXT_FIELDS = {
     "sliding_window": (False, "a positive integer", _positive),  # the ring may be wider (spec.ring_slots)
     "context_length": (False, "a positive integer", _positive),  # these four: the published plan's
     "prefill_batch": (False, "a positive integer", _positive),
-    "split": (False, "two layer indices", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive, v))),
+    "split": (
+        False,
+        "a list of layer indices",
+        lambda v: isinstance(v, list) and len(v) >= 1 and all(map(_positive, v)),
+    ),
+    "chunks": (
+        False,
+        "a list of chunk entries, one per chunk_N, each with its name",
+        lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, dict) and "name" in c for c in v),
+    ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
 }
 
