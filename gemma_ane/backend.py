@@ -261,10 +261,17 @@ def open_engine(
     root = Path(root)
     config = read_model_config(root)
     check_norm_sidecar(root, config)
-    chunks = open_chunks(chunk_paths(root), pick_backend(backend), precision, compute_units)
-    if len(chunks) != 3:
-        raise BundleError(f"{root}: expected chunk_1..chunk_3, found {len(chunks)} chunks")
+    # model_config.json states the chunks of any other layout than the published three (schema.TextConfig.of)
+    expected = len(config.get("chunks", ())) or 3
+    paths = chunk_paths(root)
+    if len(paths) != expected:
+        last = layout.chunk_name(expected - 1)
+        raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
+    chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
     # a ring padded for verify batches is wider than the window, which only the config states
-    engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+    try:
+        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+    except ValueError as e:  # chunks wired in an order the engine cannot drive
+        raise BundleError(f"{root}: {e}") from None
     check_rope(root, engine.host, engine.context, exact_rope)
     return engine

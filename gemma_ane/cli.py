@@ -20,18 +20,22 @@ from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .images import MAX_PIXELS
 from .sampling import FIELDS, SamplingParams
-from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split
+from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split, split_for_budget
 from .tools import MAX_DEPTH
 
 
-def _plan_table(plan: ChunkPlan) -> str:
+def _plan_table(plan: ChunkPlan, bits: int) -> str:
     head = f"context {plan.context}, window {plan.window}, prefill batch {plan.prefill_batch}"
-    lines = [f"{head}, split {plan.split[0]},{plan.split[1]}"]
-    for c in plan.chunks:
+    lines = [f"{head}, split {','.join(map(str, plan.split))}"]
+    for c, role in zip(plan.chunks, plan.describe(bits)):
+        layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
         lines.append(
-            f"\n{c.name}: layers {c.layers[0]}-{c.layers[-1]}"
-            + ("  (stateless, + final norm, LM head, softcap)" if c.has_head else "")
+            f"\n{c.name}: {layers}, {role['weight_mb']} MB at {bits} bits"
+            + ("" if c.stateful else ", stateless")
+            + ("  (+ final norm, LM head, softcap)" if c.has_head else "")
         )
+        if role["reads"] or role["hands_on"]:
+            lines.append(f"  takes {', '.join(role['reads']) or '-'}; hands on {', '.join(role['hands_on']) or '-'}")
         for name, t in c.states.items():
             lines.append(f"  state  {name:<24} {str(list(t.shape)):<22} {t.dtype}")
         for fname, io in c.functions.items():
@@ -42,9 +46,26 @@ def _plan_table(plan: ChunkPlan) -> str:
     return "\n".join(lines)
 
 
+def _split_of(a, spec: ModelSpec) -> tuple[int, ...] | None:
+    """--split, or the boundaries --max-chunk-mb chooses at --bits (ConfigError names what cannot fit)."""
+    if a.max_chunk_mb is None:
+        return parse_split(a.split)
+    if a.split is not None:
+        raise ConfigError("--split and --max-chunk-mb: give one (the budget chooses the boundaries)")
+    return split_for_budget(spec, a.max_chunk_mb, a.bits)
+
+
 def cmd_plan(a):
-    plan = ChunkPlan.build(ModelSpec.from_pretrained(a.src), a.context, a.prefill_batch, parse_split(a.split))
-    print(json.dumps(plan.to_json(), indent=2) if a.json else _plan_table(plan))
+    spec = ModelSpec.from_pretrained(a.src)
+    plan = ChunkPlan.build(spec, a.context, a.prefill_batch, _split_of(a, spec))
+    if a.json:  # the plan, and each chunk's role and weights at --bits
+        roles = {r["name"]: r for r in plan.describe(a.bits)}
+        data = plan.to_json()
+        data["bits"] = a.bits
+        data["chunks"] = [{**roles[c["name"]], **c} for c in data["chunks"]]
+        print(json.dumps(data, indent=2))
+    else:
+        print(_plan_table(plan, a.bits))
 
 
 def cmd_tiny(a):
@@ -131,16 +152,22 @@ def _batches(text):
 
 
 def cmd_convert(a):
-    from .convert import ConvertOptions, StageTimer, convert
+    from .convert import ConvertOptions, StageTimer, convert, resolve_source
 
     if a.draft_tokens is not None and not a.assistant:
         raise ValueError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
+    # the budget's boundaries are chosen before anything is written; the manifest records them as the split
+    split = (
+        parse_split(a.split)
+        if a.max_chunk_mb is None
+        else _split_of(a, ModelSpec.from_pretrained(resolve_source(a.src)))
+    )
     opts = ConvertOptions(
         context=a.context,
         bits=a.bits,
         group_size=a.group_size,
         prefill_batch=a.prefill_batch,
-        split=parse_split(a.split),
+        split=split,
         compile=a.compile,
         force=a.force,
         layout=a.layout,
@@ -449,6 +476,16 @@ def _add_sampling(s):
     )
 
 
+def _add_split(s):
+    s.add_argument("--split", help="a,b[,c...]: chunk_2 starts at layer a, chunk_3 at b, ... (N-1 boundaries)")
+    s.add_argument(
+        "--max-chunk-mb",
+        type=float,
+        metavar="MB",
+        help="choose the boundaries so every chunk's weights at --bits fit MB (instead of --split)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -457,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="config.json or checkpoint directory")
     s.add_argument("--context", type=int, default=2048)
     s.add_argument("--prefill-batch", type=int, default=8)
-    s.add_argument("--split", help="a,b: chunk_2 starts at layer a, chunk_3 at layer b")
+    _add_split(s)
+    s.add_argument("--bits", type=int, default=4, help="the weights' bits, for the sizes (16: fp16)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
 
@@ -478,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bits", type=int, default=4, help="4, 6, 8, or 16 for no palettization")
     s.add_argument("--group-size", type=int, default=32)
     s.add_argument("--prefill-batch", type=int, default=8)
-    s.add_argument("--split")
+    _add_split(s)
     s.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,

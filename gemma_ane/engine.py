@@ -37,7 +37,7 @@ class FunctionUnavailable(DeviceError):
 
 
 class NonFiniteOutput(DeviceError):
-    """chunk_3's logits hold NaN or inf: damaged weights (a greedy argmax of NaNs would silently
+    """The head's logits hold NaN or inf: damaged weights (a greedy argmax of NaNs would silently
     pick token 0). Not a ValueError: the bundle is at fault, not the request."""
 
 
@@ -66,7 +66,12 @@ def batch_is_exact(p0: int, T: int, window: int, context: int, ring: int | None 
 
 
 class Engine:
-    """Owns the position, the chunks' states and the token ids in the caches; drives chunk_1..chunk_3."""
+    """Owns the position, the chunks' states and the token ids in the caches; drives the chunks in order.
+
+    The wiring is what the chunks declare (CONTRACT §3): the stateful chunks (those with states) come first and
+    run every function on all the rows; each hands on its hidden states, the first also the combined PLE, and any
+    `kv{p}_k/v` outputs (the producers' caches) go to every later chunk that takes them. The stateless chunks after
+    them (KV-shared layers, the last with the head) run `infer` on the rows whose logits are wanted."""
 
     def __init__(
         self,
@@ -82,6 +87,13 @@ class Engine:
         ring: int | None = None,
     ):
         self.chunks, self.host = chunks, host
+        self.body = [i for i, c in enumerate(chunks) if c.interfaces["infer"]["states"]]
+        self.tail = [i for i, c in enumerate(chunks) if not c.interfaces["infer"]["states"]]
+        if self.body != list(range(len(self.body))) or not self.tail:
+            raise ValueError(
+                f"chunks {', '.join(c.name for c in chunks)}: the stateful chunks must come first and the last "
+                "must be stateless (it holds the head)"
+            )
         self.context, self.window, self.prefill_batch = context, window, prefill_batch
         # slots of the sliding caches: the window, or more in bundles that verify drafts (spec.ring_slots)
         self.ring = ring or window
@@ -129,8 +141,8 @@ class Engine:
         self.history: list[tuple[int, str, int]] = []  # (position, function, tokens) of every step run
         self.snapshots: list[Snapshot] = []  # the rings at earlier prompt ends, oldest first
         self.ring_top = -1  # the newest position written into the rings (past the position: rejected drafts)
-        self.shared_kv: dict[str, np.ndarray] = {}  # chunk_2's producer caches after the last call (the drafter's)
-        self.final_hidden = None  # chunk_3's final-norm hidden state of the last token it ran (the drafter's)
+        self.shared_kv: dict[str, np.ndarray] = {}  # the producers' caches after the last call (the drafter's)
+        self.final_hidden = None  # the head's final-norm hidden state of the last token it ran (the drafter's)
 
     def _predict(self, i: int, function: str, inputs: dict) -> dict:
         return self.chunks[i].predict(function, inputs, self.states[i])
@@ -164,11 +176,24 @@ class Engine:
                 x[c], x[s] = self.host.rope_rows(t, p0, len(ids))
         return x
 
-    def _head(self, x: dict, kv: dict, row: int | None) -> np.ndarray:
-        """chunk_3 for one row (the last one by default): logits (vocab,) in logits_dtype, or the
-        published head's chosen token id (1,)."""
+    def _body(self, function: str, x: dict) -> list[tuple[int, dict]]:
+        """The stateful chunks' `function` on x, in order: x then holds the last one's hidden states (and the
+        combined PLE), self.shared_kv every producer cache they returned. Returns what each chunk returned."""
+        outs, self.shared_kv = [], {}
+        for i in self.body:
+            out = self._predict(i, function, {**x, **self.shared_kv})
+            x["hidden_states"] = out["hidden_states_out"]
+            if "per_layer_combined_out" in out:
+                x["per_layer_combined"] = out["per_layer_combined_out"]
+            self.shared_kv.update({k: v for k, v in out.items() if k.startswith("kv")})
+            outs.append((i, out))
+        return outs
+
+    def _head(self, x: dict, held: list, row: int | None) -> np.ndarray:
+        """The stateless chunks for one row (the last one by default): logits (vocab,) in logits_dtype, or
+        the published head's chosen token id (1,)."""
         if row is None:
-            feed = {**x, **kv}
+            feed = dict(x)
         else:  # one row of a batch: its own mask row hides the batch's later rows
             feed = {
                 k: (
@@ -178,66 +203,62 @@ class Engine:
                     if k.startswith(("causal_mask", "cos_", "sin_"))
                     else v
                 )
-                for k, v in {**x, **kv}.items()
+                for k, v in x.items()
             }
-        out = self._chunk3("infer", feed, kv)
+        out = self._tail("infer", feed, held)
         if self.head == "token_id":  # the chosen id, as an array the caller reads element 0 of
             return np.asarray(out["token_id"]).reshape(-1)
         if "final_hidden" in out:
             self.final_hidden = np.asarray(out["final_hidden"]).reshape(-1)
         return np.asarray(out["logits"], self.logits_dtype).reshape(-1)
 
-    def _chunk3(self, function: str, feed: dict, kv: dict) -> dict:
-        out = self._predict(2, function, feed)
+    def _tail(self, function: str, feed: dict, held: list) -> dict:
+        """The stateless chunks in order on feed (which they may overwrite); the head's outputs, checked finite.
+        `held`: what the stateful chunks returned for these rows (to name the first damaged chunk)."""
+        held = list(held)
+        for i in self.tail:
+            out = self._predict(i, function, {**feed, **self.shared_kv})
+            if i != self.tail[-1]:
+                feed["hidden_states"] = out["hidden_states_out"]
+                held.append((i, out))
         # Damaged weights give NaN logits, whose argmax is silently token 0. The published head
         # returns only the chosen id: its logit (token_logit) is all there is to check there.
         a = np.asarray(out.get("token_logit", []) if self.head == "token_id" else out["logits"]).reshape(-1)
         # NaN or inf = all exponent bits set: ~60 us on the uint16 view of 262,144 fp16 values (isfinite: ~500 us)
         finite = (a.view(np.uint16) & 0x7FFF).max() < 0x7C00 if a.dtype == np.float16 else np.isfinite(a).all()
         if not finite:
-            # the first chunk whose outputs the host still holds that were already non-finite
-            outputs = [["per_layer_combined"], ["hidden_states", *kv]]  # chunk_1's, chunk_2's
-            bad = [i for i, names in enumerate(outputs) if not all(np.isfinite(feed[n]).all() for n in names)]
-            where = f"{self.chunks[bad[0]].name} or before it" if bad else self.chunks[2].name
+            # the first chunk whose outputs were already non-finite
+            bad = [i for i, o in held if not all(np.isfinite(v).all() for v in o.values())]
+            head = self.chunks[-1].name
+            where = f"{self.chunks[bad[0]].name} or before it" if bad else head
             raise NonFiniteOutput(
-                f"{self.chunks[2].name}: logits hold NaN or inf (damaged weights in {where}); "
-                "run gemma-ane check, or re-convert"
+                f"{head}: logits hold NaN or inf (damaged weights in {where}); run gemma-ane check, or re-convert"
             )
         return out
 
     def _run(self, ids: np.ndarray, function: str, want: str) -> list[np.ndarray]:
-        """One call of chunk_1, chunk_2 and (if logits are wanted) chunk_3 on ids at self.position."""
+        """One call of the stateful chunks and (if logits are wanted) the stateless ones on ids at self.position."""
         p0, T = self.position, len(ids)
         x = self._inputs(ids, p0)
-        out1 = self._predict(0, function, x)
-        x["hidden_states"] = out1["hidden_states_out"]
-        x["per_layer_combined"] = out1["per_layer_combined_out"]
-        out2 = self._predict(1, function, x)
-        x["hidden_states"] = out2["hidden_states_out"]
-        kv = self.shared_kv = {k: v for k, v in out2.items() if k.startswith("kv")}
+        held = self._body(function, x)
         self.position += T
         self.ring_top = max(self.ring_top, self.position - 1)
         if want == "none":
             return []
         if T == 1:
-            return [self._head(x, kv, None)]
+            return [self._head(x, held, None)]
         rows = range(T) if want == "all" else [T - 1]
-        return [self._head(x, kv, r) for r in rows]
+        return [self._head(x, held, r) for r in rows]
 
     def _run_kv(self, ids: np.ndarray) -> None:
-        """A KV-only prefill batch: chunk_1 and chunk_2 up to the last cache-owning layer, no head."""
+        """A KV-only prefill batch: the stateful chunks up to the last cache-owning layer, no head."""
         p0, T = self.position, len(ids)
         x = self._inputs(ids, p0)
         x["causal_mask_sliding"] = kv_sliding_mask(p0, T, self.window, np.float32, ring=self.ring)
         x["per_layer_raw"] = x["per_layer_raw"][..., : self.kv_ple_width]
-        function = f"prefill_kv_b{T}"
-        out1 = self._predict(0, function, x)
-        x["hidden_states"] = out1["hidden_states_out"]
-        x["per_layer_combined"] = out1["per_layer_combined_out"]
-        self._predict(1, function, x)
+        self._body(f"prefill_kv_b{T}", x)  # returns no caches: the next infer step gives them again
         self.position += T
         self.ring_top = max(self.ring_top, self.position - 1)
-        self.shared_kv = {}  # chunk_2 returned no caches: the next infer step gives them again
 
     def verify(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """Run the last token and its drafts (`verify_batch` ids) in one call at the position: every
@@ -256,12 +277,7 @@ class Engine:
                     chunk.load(function)
                 self.loaded.add(function)
             x = self._inputs(ids, p)
-            out1 = self._predict(0, function, x)
-            x["hidden_states"], x["per_layer_combined"] = out1["hidden_states_out"], out1["per_layer_combined_out"]
-            out2 = self._predict(1, function, x)
-            x["hidden_states"] = out2["hidden_states_out"]
-            kv = self.shared_kv = {k: v for k, v in out2.items() if k.startswith("kv")}
-            out = self._chunk3(function, {**x, **kv}, kv)
+            out = self._tail(function, x, self._body(function, x))
         except FunctionUnavailable:
             raise  # nothing was written: the caller decodes without drafts
         except BaseException:

@@ -640,7 +640,7 @@ class ChunkPlan:
     spec: ModelSpec
     context: int
     prefill_batch: int
-    split: tuple[int, int]
+    split: tuple[int, ...]  # N-1 layer boundaries: chunk_{k+1} starts at split[k-1]
     chunks: tuple[Chunk, ...]
     draft_tokens: int = 0  # K: verify_b{K+1} checks K drafts (speculative decoding); 0 = no drafter
 
@@ -666,6 +666,33 @@ class ChunkPlan:
             "chunks": [c.to_json() for c in self.chunks],
         }
 
+    def hands_on(self, chunk: Chunk) -> list[str]:
+        """The producer caches a chunk returns for later chunks (kv{p}_k / kv{p}_v)."""
+        return [n for n in chunk.functions["infer"]["outputs"] if n.startswith("kv")]
+
+    def reads(self, chunk: Chunk) -> list[str]:
+        """The producer caches a chunk takes from earlier chunks."""
+        return [n for n in chunk.functions["infer"]["inputs"] if n.startswith("kv")]
+
+    def describe(self, bits: int) -> list[dict]:
+        """Each chunk's role as a runtime wires it: its layers, states, what it takes from and hands on to
+        other chunks, whether it computes the PLE or holds the head, and its weights in MB at `bits`."""
+        return [
+            {
+                "name": c.name,
+                "layers": list(c.layers),
+                "stateful": c.stateful,
+                "states": sorted(c.states),
+                "computes_ple": c.computes_ple,
+                "reads": self.reads(c),
+                "hands_on": self.hands_on(c),
+                "head": c.has_head,
+                "functions": list(c.functions),
+                "weight_mb": round(chunk_weight_bytes(self.spec, c.layers, c.computes_ple, c.has_head, bits) / 1e6, 1),
+            }
+            for c in self.chunks
+        ]
+
     @staticmethod
     def default_split(spec: ModelSpec) -> tuple[int, int]:
         # The published layout's E2B split (0-7 / 8-24 / 25-34): halve the cache owners, halve the sharers.
@@ -683,22 +710,25 @@ class ChunkPlan:
         kv_batches: tuple[int, ...] = (),
         draft_tokens: int = 0,
     ) -> ChunkPlan:
-        """head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
+        """split: the N-1 layer boundaries of N chunks (default: the published layout's three, `default_split`).
+        head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
         kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`.
         draft_tokens: K > 0 adds `verify_b{K+1}` to every chunk (the last token and K drafts in one call, logits for
-        every row) and chunk_3's `final_hidden` output (what the drafter reads), and pads the rings (`ring_slots`)."""
+        every row) and the last chunk's `final_hidden` output (what the drafter reads), and pads the rings
+        (`ring_slots`)."""
         _check_options(spec, context, prefill_batch, head, kv_batches, draft_tokens)
-        a, b = split if split is not None else cls.default_split(spec)
-        _check_split(spec, a, b)
+        split = tuple(split) if split is not None else cls.default_split(spec)
+        _check_split(spec, split)
         R = ring_slots(spec.sliding_window, draft_tokens, kv_batches)
-        io = _PlanIO(spec, context, R, head, draft_tokens > 0)
+        bounds = [0, *split, spec.num_layers]
+        io = _PlanIO(spec, context, R, head, draft_tokens > 0, tuple(zip(bounds, bounds[1:])))
         chunks = []
-        for ci, (lo, hi) in enumerate([(0, a), (a, b), (b, spec.num_layers)]):
+        for ci, (lo, hi) in enumerate(io.spans):
             layers = tuple(range(lo, hi))
             owners = [i for i in layers if spec.owns_cache(i)]
             sliding = tuple(i for i in owners if spec.is_sliding(i))
             full = tuple(i for i in owners if not spec.is_sliding(i))
-            stateful = ci < 2  # chunk_3's layers are all KV-shared: it keeps nothing, so it never prefills
+            stateful = bool(owners)  # a chunk of KV-shared layers keeps nothing, so it never prefills
             functions = {"infer": io.step(ci, 1)}
             if stateful:
                 functions[f"prefill_b{prefill_batch}"] = io.step(ci, prefill_batch)
@@ -715,7 +745,7 @@ class ChunkPlan:
                     full_layers=full,
                     states=_states(spec, context, R, sliding, full),
                     functions=functions,
-                    has_head=ci == 2,
+                    has_head=ci == len(io.spans) - 1,
                     computes_ple=ci == 0,
                 )
             )
@@ -723,7 +753,7 @@ class ChunkPlan:
             spec=spec,
             context=context,
             prefill_batch=prefill_batch,
-            split=(a, b),
+            split=split,
             chunks=tuple(chunks),
             draft_tokens=draft_tokens,
         )
@@ -781,26 +811,28 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches, dr
         raise ConfigError(f"draft_tokens={draft_tokens}: a verify batch must fit in the context ({context})")
 
 
-def _check_split(spec: ModelSpec, a: int, b: int) -> None:
-    """chunk_2 starts at layer a, chunk_3 at b: every cache owner in the stateful chunks, each with some."""
+def _check_split(spec: ModelSpec, split: tuple[int, ...]) -> None:
+    """Boundaries in order inside the model, and the last chunk (the head) holding only KV-shared layers: it keeps
+    no state, so every cache owner, producers included, must precede it. Every other cut is legal: a chunk hands
+    the caches of the producers it owns to the later chunks (`_PlanIO`)."""
     L, first = spec.num_layers, spec.first_shared_layer
-    if not 0 < a < b <= L:
-        raise ConfigError(f"split={a},{b}: need 0 < a < b <= num_hidden_layers={L}")
-    if b < first:
+    text = ",".join(map(str, split))
+    if not split:
+        raise ConfigError("split: expected at least one layer boundary")
+    for k, b in enumerate(split):
+        # the last boundary may be L: a last chunk of the head alone
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= L:
+            raise ConfigError(f"split={text}: boundary {b!r} is outside 1..{L} (num_hidden_layers={L})")
+        if k and b <= split[k - 1]:
+            raise ConfigError(f"split={text}: boundary {b} does not come after {split[k - 1]}; boundaries ascend")
+    last = split[-1]
+    if last < first:
+        owner = max(i for i in range(last, first) if spec.owns_cache(i))
+        what = "a KV producer" if owner in spec.producers else "a cache owner"
         raise ConfigError(
-            f"split={a},{b}: layers {b}-{first - 1} own KV caches but would sit in the stateless "
-            f"last chunk; need b >= {first}"
+            f"split={text}: layer {owner} is {what} and must precede the stateless last chunk, "
+            f"which would start at boundary {last}; need the last boundary >= {first}"
         )
-    if a >= first:
-        raise ConfigError(f"split={a},{b}: chunk_2 would own no KV cache; need a < {first}")
-    # chunk_2 hands its producers' caches to the later layers; a producer in chunk_1 would
-    # leave KV-shared layers reading a state that lives in another model.
-    for i in range(first, L):
-        src = spec.kv_source[i]
-        if src < a:
-            raise ConfigError(
-                f"split={a},{b}: KV-shared layer {i} reads layer {src}, which would sit in chunk_1; need a <= {src}"
-            )
 
 
 def _states(spec: ModelSpec, context: int, ring: int, sliding: tuple[int, ...], full: tuple[int, ...]) -> dict:
@@ -815,24 +847,36 @@ def _states(spec: ModelSpec, context: int, ring: int, sliding: tuple[int, ...], 
 
 @dataclass(frozen=True)
 class _PlanIO:
-    """The inputs and outputs of every function of a plan; ci is the chunk's index (0, 1, 2)."""
+    """The inputs and outputs of every function of a plan; ci is the chunk's index (0 .. N-1).
+
+    A chunk that owns producers hands their whole caches on (outputs kv{p}_k / kv{p}_v) unless it is the last; a
+    chunk holding KV-shared layers takes the caches of every producer owned by an earlier chunk. With the default
+    split that is chunk_2 -> chunk_3, as the published layout wires it."""
 
     spec: ModelSpec
     context: int
     ring: int
     head: str
-    drafter: bool  # chunk_3 also returns the final-norm hidden states the drafter reads
+    drafter: bool  # the last chunk also returns the final-norm hidden states the drafter reads
+    spans: tuple[tuple[int, int], ...]  # each chunk's layers [lo, hi)
+
+    def hands_on(self, ci: int) -> list[int]:
+        lo, hi = self.spans[ci]
+        return [p for p in self.spec.producers if lo <= p < hi] if ci < len(self.spans) - 1 else []
+
+    def takes(self, ci: int) -> list[int]:
+        lo, hi = self.spans[ci]
+        shares = any(not self.spec.owns_cache(i) for i in range(lo, hi))
+        return [p for p in self.spec.producers if p < lo] if shares else []
 
     def step(self, ci: int, T: int, every_row: bool = False) -> dict:
-        """`infer` (T=1), `prefill_b{T}` and `verify_b{T}` (every_row: chunk_3 returns each row's logits)."""
+        """`infer` (T=1), `prefill_b{T}` and `verify_b{T}` (every_row: the head returns each row's logits)."""
         spec = self.spec
         ins = self.host_inputs(ci, T, spec.per_layer_total, self.ring)
         outs = _hidden_outputs(spec, ci, T, spec.per_layer_total)
-        caches = {kv_name(p, which): self.cache_tensor(p) for p in spec.producers for which in ("k", "v")}
-        if ci == 1:  # the producers' whole caches go on to the stateless chunk
-            outs.update(caches)
-        if ci == 2:
-            ins.update(caches)
+        outs.update({kv_name(p, w): self.cache_tensor(p) for p in self.hands_on(ci) for w in ("k", "v")})
+        ins.update({kv_name(p, w): self.cache_tensor(p) for p in self.takes(ci) for w in ("k", "v")})
+        if ci == len(self.spans) - 1:
             rows = T if every_row else 1
             if self.head == "logits":
                 outs = {"logits": Tensor((1, rows, spec.vocab_size))}
@@ -851,7 +895,7 @@ class _PlanIO:
 
     def host_inputs(self, ci: int, T: int, ple_width: int, sliding_keys: int) -> dict:
         """What the host computes for T tokens: embeddings, masks, the PLE (raw into chunk_1, combined after),
-        RoPE tables per attention type, and for the stateful chunks the positions."""
+        RoPE tables per attention type, and for the stateful chunks (those owning a cache) the positions."""
         spec = self.spec
         ins = {
             "hidden_states": Tensor((1, T, spec.hidden_size)),
@@ -862,12 +906,13 @@ class _PlanIO:
         if SLIDING in spec.layer_types:
             ins["cos_s"] = ins["sin_s"] = Tensor((1, 1, T, spec.head_dim_of(SLIDING)))
         ins["cos_f"] = ins["sin_f"] = Tensor((1, 1, T, spec.head_dim_of(FULL)))
-        if ci < 2:
+        lo, hi = self.spans[ci]
+        if any(spec.owns_cache(i) for i in range(lo, hi)):
             ins["current_pos"] = ins["ring_pos"] = Tensor((1,), I32)
         return ins
 
     def cache_tensor(self, layer: int) -> Tensor:
-        """A producer's whole K (or V) cache as it passes from chunk_2 to chunk_3: the ring, or the full context."""
+        """A producer's whole K (or V) cache as it passes to a later chunk: the ring, or the full context."""
         spec = self.spec
         if spec.is_sliding(layer):
             return Tensor((1, spec.kv_heads_of(SLIDING), self.ring, spec.head_dim_of(SLIDING)))
@@ -881,13 +926,83 @@ def _hidden_outputs(spec: ModelSpec, ci: int, T: int, ple_width: int) -> dict:
     return outs
 
 
-def parse_split(text: str | None) -> tuple[int, int] | None:
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """--split "a,b,...": the N-1 layer boundaries of N chunks."""
     if text is None:
         return None
     try:
-        a, b = (int(x) for x in text.split(","))
+        split = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ConfigError(
-            f"--split {text!r}: expected two layer indices 'a,b' (chunk_2 starts at a, chunk_3 at b)"
+            f"--split {text!r}: expected layer indices 'a,b[,c...]' (chunk_2 starts at a, chunk_3 at b, ...)"
         ) from None
-    return a, b
+    return split
+
+
+# -- sizing chunks ---------------------------------------------------------------------------------------------
+
+
+def _layer_params(spec: ModelSpec, i: int) -> tuple[int, int]:
+    """(projection weights, other weights) of layer i: the projections are palettized, norms and scalars not."""
+    H, D, nh, kvh, P = spec.hidden_size, spec.head_dims[i], spec.num_heads, spec.kv_heads[i], spec.per_layer_dim
+    proj = 2 * H * nh * D + 3 * H * spec.intermediate_sizes[i] + 2 * H * P
+    other = 5 * H + D + 1  # 5 layer norms of H, q_norm
+    if spec.owns_cache(i):
+        proj += H * kvh * D * (1 if spec.k_eq_v[i] else 2)
+        other += D
+    return proj, other
+
+
+def chunk_weight_bytes(spec: ModelSpec, layers, computes_ple: bool, has_head: bool, bits: int) -> int:
+    """The weights a chunk stores: projections at `bits` (16: fp16), the rest fp16. Palettization's lookup tables
+    (16 fp16 entries per group of 32 rows at 4 bits) are counted too, so this is within a few % of the package."""
+    proj = other = 0
+    for i in layers:
+        p, o = _layer_params(spec, i)
+        proj, other = proj + p, other + o
+    if computes_ple:
+        proj += spec.hidden_size * spec.per_layer_total
+        other += spec.per_layer_dim
+    if has_head:
+        proj += spec.vocab_size * spec.hidden_size
+        other += spec.hidden_size
+    if bits >= 16:
+        return 2 * (proj + other)
+    lut = proj // spec.hidden_size // 32 * 2**bits * 2  # ~ one LUT of 2^bits fp16 per 32 output channels
+    return proj * bits // 8 + lut + 2 * other
+
+
+def split_for_budget(spec: ModelSpec, max_chunk_mb: float, bits: int) -> tuple[int, ...]:
+    """The fewest chunks whose weights each fit `max_chunk_mb` (MB = 10^6 bytes) at `bits`, the largest chunk as
+    small as it can then be, with the last chunk holding only KV-shared layers (`_check_split`). ConfigError names
+    the layer that cannot fit."""
+    if isinstance(max_chunk_mb, bool) or not isinstance(max_chunk_mb, (int, float)) or max_chunk_mb <= 0:
+        raise ConfigError(f"--max-chunk-mb {max_chunk_mb!r}: must be a positive number of MB")
+    L, first, budget = spec.num_layers, spec.first_shared_layer, max_chunk_mb * 1e6
+
+    def size(lo: int, hi: int) -> int:
+        return chunk_weight_bytes(spec, range(lo, hi), lo == 0, hi == L, bits)
+
+    for i in range(L):
+        alone = size(i, i + 1)
+        if alone > budget:
+            extra = " with the PLE projection" if i == 0 else " with the LM head" if i == L - 1 else ""
+            raise ConfigError(
+                f"--max-chunk-mb {max_chunk_mb:g}: layer {i}{extra} alone needs {alone / 1e6:.1f} MB at {bits} bits"
+            )
+    # best[hi] = (chunks, largest chunk, boundaries) covering layers [0, hi); the last chunk starts at >= first
+    best: dict[int, tuple[int, int, tuple[int, ...]]] = {0: (0, 0, ())}
+    for hi in range(1, L + 1):
+        options = [
+            (best[lo][0] + 1, max(best[lo][1], size(lo, hi)), best[lo][2] + ((lo,) if lo else ()))
+            for lo in range(hi)
+            if lo in best and size(lo, hi) <= budget and (hi < L or lo >= first)
+        ]
+        if options:
+            best[hi] = min(options)
+    if L not in best:  # a model without KV-shared layers: its last chunk would be the head alone
+        raise ConfigError(
+            f"--max-chunk-mb {max_chunk_mb:g}: no split fits; the last chunk keeps no state, and every layer "
+            f"owns a KV cache (num_kv_shared_layers=0)"
+        )
+    return best[L][2]

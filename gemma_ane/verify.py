@@ -151,6 +151,7 @@ def verify_graph(
     prompt_len: int | None = None,
     context: int | None = None,
     prefill_batch: int = 8,
+    split: tuple[int, ...] | None = None,
 ) -> dict:
     import torch
 
@@ -161,7 +162,7 @@ def verify_graph(
     ckpt = Checkpoint(src)
     ckpt.validate()
     spec = ckpt.spec
-    plan = ChunkPlan.build(spec, context or context_for(spec, tokens), prefill_batch)
+    plan = ChunkPlan.build(spec, context or context_for(spec, tokens), prefill_batch, split)
     if tokens < 2 or tokens > plan.context:
         raise ValueError(f"--tokens {tokens}: must be in [2, context={plan.context}]")
     prompt_len = _prompt_len(prompt_len, tokens)

@@ -58,10 +58,13 @@ class TextConfig:
     prefill_batch: int | None = None
     split: list[int] | None = None
     head: str | None = None
+    chunks: list[dict] | None = None  # each chunk's role, for plans of other than three chunks (see `of`)
 
     @classmethod
     def of(cls, spec, plan, bits: int, layout: str, name: str) -> TextConfig:
-        """What a conversion of `spec` (a ModelSpec) by `plan` (a ChunkPlan) states."""
+        """What a conversion of `spec` (a ModelSpec) by `plan` (a ChunkPlan) states. A plan of other than three
+        chunks also states each chunk's role (`chunks`, ChunkPlan.describe); three chunks are the published
+        layout's, whose readers know their roles, and their model_config.json stays byte for byte what it was."""
         return cls(
             model_name=name,
             architecture="gemma4",
@@ -91,6 +94,7 @@ class TextConfig:
             prefill_batch=plan.prefill_batch,
             split=list(plan.split),
             head="token_id" if layout == "published" else "logits",
+            chunks=plan.describe(bits) if len(plan.chunks) != 3 else None,
         )
 
     def to_json(self) -> dict:
@@ -228,7 +232,16 @@ TEXT_FIELDS = {
     "sliding_window": (False, "a positive integer", _positive),  # the ring may be wider (spec.ring_slots)
     "context_length": (False, "a positive integer", _positive),  # these four: the published plan's
     "prefill_batch": (False, "a positive integer", _positive),
-    "split": (False, "two layer indices", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive, v))),
+    "split": (
+        False,
+        "a list of layer indices",
+        lambda v: isinstance(v, list) and len(v) >= 1 and all(map(_positive, v)),
+    ),
+    "chunks": (
+        False,
+        "a list of chunk entries, one per chunk_N, each with its name",
+        lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, dict) and "name" in c for c in v),
+    ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
 }
 

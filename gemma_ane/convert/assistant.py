@@ -28,15 +28,16 @@ def producers(spec: AssistantSpec) -> dict[str, int]:
 
 def draft_io(spec: AssistantSpec, plan: ChunkPlan) -> Chunk:
     """The drafter's package described as a chunk (what coreml.trace_function reads): one stateless function
-    `draft`, whose K/V inputs are exactly chunk_2's outputs of the same names (the ring is `plan.ring` slots)."""
+    `draft`, whose K/V inputs are exactly the chunks' outputs of the same names (the ring is `plan.ring` slots)."""
     Hb = spec.backbone_hidden_size
-    given = plan.chunks[1].functions["infer"]["outputs"]
+    given = {k: v for c in plan.chunks for k, v in c.functions["infer"]["outputs"].items()}
     ins = {"embedding": Tensor((1, 1, Hb)), "carry": Tensor((1, 1, Hb))}
     for p in producers(spec).values():
         for which in ("k", "v"):
             name = kv_name(p, which)
             if name not in given:
-                raise ConfigError(f"assistant reads {name}, which chunk_2 does not return (split {plan.split})")
+                split = ",".join(map(str, plan.split))
+                raise ConfigError(f"assistant reads {name}, which no chunk returns (split {split})")
             ins[name] = given[name]
     for t, p in producers(spec).items():  # rows of the ring (sliding) or the context (full): the cache's axis 2
         ins[MASKS[t]] = Tensor((1, 1, 1, given[kv_name(p, "k")].shape[2]))

@@ -24,7 +24,7 @@ class ConvertOptions:
     bits: int = 4
     group_size: int = 32
     prefill_batch: int = 8
-    split: tuple[int, int] | None = None
+    split: tuple[int, ...] | None = None  # N-1 layer boundaries of N chunks
     compile: bool | None = None  # None: compile on macOS, keep .mlpackage elsewhere
     force: bool = False
     # "published" reproduces the published layout for compatibility tests: chunk_3 returns

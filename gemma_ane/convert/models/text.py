@@ -1,4 +1,4 @@
-"""The Gemma 4 text decoder as three Core ML-ready chunks (PyTorch).
+"""The Gemma 4 text decoder as the plan's Core ML-ready chunks (PyTorch).
 
 Module and parameter names follow the checkpoint (`layers.8.self_attn.q_proj.weight`), so loading
 is a plain state_dict copy. Everything is shaped for conversion to a static-shape ML Program that
@@ -191,7 +191,7 @@ class ChunkModel(nn.Module):
                 k, v = self._write(i, k_new, v_new, pos)
             elif src in chunk.layers:  # KV-shared layer whose producer ran earlier in this chunk
                 k, v = self._read(src, attn.head_dim)
-            else:  # producer lives in chunk_2: its caches arrive as inputs
+            else:  # producer lives in an earlier chunk: its caches arrive as inputs
                 k, v = x[kv_name(src, "k")], x[kv_name(src, "v")]
             h = layer(h, hn, per_layer[:, :, i * P : (i + 1) * P], cos, sin, k, v, mask)
 
