@@ -22,9 +22,10 @@ from .layout import MODEL_CONFIG, VISION_POSITION_TABLE
 ASSISTANT, VISION = "assistant", "vision"  # the one-function models' entries
 
 
-def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
+def text_entry(spec, plan, bits: int, layout: str, name: str, weights: dict | None = None) -> dict:
     """The text model's fields: the checkpoint's shapes (a ModelSpec) and the chunk plan's, as the runtime and
-    the published layout's readers expect them."""
+    the published layout's readers expect them; `weights`, how the linear weights were compressed when that is not
+    the default k-means LUT (no reader needs it: it is a record)."""
     return {
         "model_name": name,
         "architecture": "gemma4",
@@ -54,6 +55,7 @@ def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
         "prefill_batch": plan.prefill_batch,
         "split": list(plan.split),
         "head": "token_id" if layout == "published" else "logits",
+        **({"weights": weights} if weights else {}),
     }
 
 
