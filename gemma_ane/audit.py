@@ -54,6 +54,15 @@ RULES = {
     "lut4-state": "coremltools#2716 (open): 4-bit palettized stateful packages built with coremltools 9.0 are "
     "reported to crash after ~100-200 sequential predictions on the ANE, 8.3.0 builds of the same source not; "
     "a bug report, not a rule: a note",
+    "block": "block-wise linear weights (constexpr_blockwise_shift_scale, iOS 18 / macOS 15). Known: coremltools' "
+    "guide (Optimizing Models > Quantization > Performance, apple.github.io/coremltools/docs-guides/source/"
+    "opt-quantization-perf.html) says per-block scales, 'especially useful when employing quantization to 4-bits', "
+    "bring runtime memory and latency gains 'when it is running on the GPU', and that 'if the model is running on "
+    "the NE, it is recommended to use the per-channel scales option'. Unknown (no Apple statement found): whether "
+    "the Neural Engine reads per-block int4/int8 directly, decompresses them to fp16 at load (the file is smaller, "
+    "the memory traffic is not) or leaves those layers to the GPU/CPU; Core ML decides at load and does not say. "
+    "So per-block weights are a note, expected to fall back from the Neural Engine's fast path; per-channel ones "
+    "(one scale per row: --group-size = the input width) are the documented Neural Engine form",
 }
 
 _NE_DTYPES = {"fp16", "int8", "int16"}  # what the Neural Engine computes in; fp32 is the fp16 rule
@@ -196,7 +205,21 @@ def check_lut4_state(program, states: dict, built_with):
                 return
 
 
-CHUNK_CHECKS = {"state": check_states, "lut4-state": check_lut4_state}
+def check_block(program, states: dict, built_with):
+    for fn in program.functions.values():
+        for op in fn.operations:
+            if op.op_type == "constexpr_blockwise_shift_scale":
+                inputs, blocks = op.outputs[0].shape[-1], op.scale.shape[-1]
+                form = (
+                    "per-channel scales (documented for the NE)"
+                    if blocks == 1
+                    else f"one scale per {inputs // blocks} inputs (per-block: documented gains on the GPU)"
+                )
+                yield N, op.op_type, op.name, f"{_dtype(op.data)} weights, {form}"
+        return  # the functions of a chunk share their weights: one function names them all
+
+
+CHUNK_CHECKS = {"state": check_states, "lut4-state": check_lut4_state, "block": check_block}
 
 
 def check_host_mask():

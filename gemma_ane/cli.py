@@ -177,6 +177,8 @@ def cmd_convert(a):
         vision=a.vision,
         image_tokens=a.image_tokens,
         vision_bits=a.vision_bits,
+        quant=a.quant,
+        keep=tuple(a.keep),
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -205,6 +207,11 @@ def cmd_inspect(a):
     for c in [*report["chunks"], *(report[name] for name in ONE_FUNCTION_MODELS if name in report)]:
         layers = f"layers {c['layers'][0]}-{c['layers'][-1]}, " if "layers" in c else ""
         print(f"{c['name']} ({c['path']}): {layers}{c['size_bytes'] / 1e6:.2f} MB on disk")
+        if "weights" in c:  # a compiled model cannot be read back
+            w = c["weights"]
+            kinds = ", ".join(f"{n} {kind}" for kind, n in w["formats"].items())
+            kept = f"; fp16 (>= 2048 values): {', '.join(w['fp16'])}" if w["fp16"] else ""
+            print(f"  linear weights: {kinds}{kept}")
         for name, t in c["states"].items():
             print(f"  state  {name:<24} {str(t['shape']):<22} {t['dtype']}")
         per = "image" if c["name"] == "vision" else "token"  # encode's cost is one image's
@@ -514,7 +521,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="bundle directory to create")
     s.add_argument("--context", type=int, default=2048)
     s.add_argument("--bits", type=int, default=4, help="4, 6, 8, or 16 for no palettization")
-    s.add_argument("--group-size", type=int, default=32)
+    s.add_argument(
+        "--group-size",
+        type=int,
+        default=32,
+        help="lut: output channels per LUT; block: input channels per scale (default 32, q4_0's block)",
+    )
+    s.add_argument(
+        "--quant",
+        default="lut",
+        choices=["lut", "block"],
+        help="lut: k-means LUT palettization (default); block: int4/int8 with one scale per --group-size inputs, "
+        "exact for a checkpoint trained onto q4_0's grid (e.g. gemma-4-E2B-it-qat-q4_0-unquantized)",
+    )
+    s.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave linear weights at fp16 where this regular expression is found in their name, as the checkpoint "
+        "spells it (layers.0.self_attn.o_proj) or as inspect shows it (layers_0_self_attn_o_proj); repeatable",
+    )
     s.add_argument("--prefill-batch", type=int, default=8)
     _add_split(s)
     s.add_argument(

@@ -144,7 +144,8 @@ def evaluate(
     of it."""
     from tqdm import tqdm
 
-    from .bundle import open_engine, read_model_config
+    from .backend import open_engine
+    from .bundle import read_model_config
     from .verify import oracle_model
 
     if precision not in ("fp32", "fp16"):

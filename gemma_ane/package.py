@@ -143,3 +143,29 @@ def macs(function) -> int:
             batch = np.broadcast_shapes(tuple(x[:-2]), tuple(y[:-2]))
             total += int(np.prod(batch)) * x[-2] * x[-1] * y[-1]
     return total
+
+
+def weight_formats(function) -> dict:
+    """How the function stores its linear weights, read off the op producing each: {"formats": {format: count},
+    "fp16": [names of weights of >= 2048 values left at fp16]} with formats "lut N-bit / G rows" (a k-means LUT per
+    G output rows), "block intN / G inputs" (one scale per G inputs) and "fp16". Smaller weights are fp16 by design
+    (the converter compresses only weights of >= 2048 values) and are counted, not named."""
+    formats, fp16 = {}, []
+    seen = set()
+    for op in function.operations:
+        if op.op_type != "linear" or op.weight.op is None or op.weight.op.name in seen:
+            continue
+        w = op.weight.op
+        seen.add(w.name)
+        if w.op_type == "constexpr_lut_to_dense":
+            rows = w.outputs[0].shape[0] // w.lut.shape[0]
+            kind = f"lut {_bits(w.indices)}-bit / {rows} rows"
+        elif w.op_type == "constexpr_blockwise_shift_scale":
+            inputs = w.outputs[0].shape[1] // w.scale.shape[1]
+            kind = f"block int{_bits(w.data)} / {inputs} inputs"
+        else:
+            kind = "fp16" if _bits(w.outputs[0]) == 16 else f"{_bits(w.outputs[0])}-bit {w.op_type}"
+            if np.prod(w.outputs[0].shape) >= 2048:
+                fp16.append(w.name)
+        formats[kind] = formats.get(kind, 0) + 1
+    return {"formats": formats, "fp16": fp16}

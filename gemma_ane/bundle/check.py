@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..files import FileFormatError, read_json, sha256_file, tree_size
-from ..package import Package, PackageError, macs, weight_bytes
+from ..package import Package, PackageError, macs, weight_bytes, weight_formats
 from .errors import BundleError
 from .interfaces import one_function_interfaces, read_interfaces
 from .layout import (
@@ -125,6 +125,7 @@ def _inspect_package(path: Path) -> dict:
     pkg = Package.open(path)
     program = pkg.program()
     entry = {"name": model_name(path), "path": path.name, "size_bytes": pkg.size_bytes(), "functions": {}}
+    entry["weights"] = weight_formats(program.functions[pkg.default_function])  # functions share their weights
     for fname in pkg.function_names:
         io = pkg.interface(fname)
         entry.setdefault("states", io["states"])

@@ -59,9 +59,10 @@ class TextConfig:
     split: list[int] | None = None
     head: str | None = None
     chunks: list[dict] | None = None  # each chunk's role, for plans of other than three chunks (see `of`)
+    weights: dict | None = None  # how linear weights were compressed, when not the default LUT (a record only)
 
     @classmethod
-    def of(cls, spec, plan, bits: int, layout: str, name: str) -> TextConfig:
+    def of(cls, spec, plan, bits: int, layout: str, name: str, weights: dict | None = None) -> TextConfig:
         """What a conversion of `spec` (a ModelSpec) by `plan` (a ChunkPlan) states. A plan of other than three
         chunks also states each chunk's role (`chunks`, ChunkPlan.describe); three chunks are the published
         layout's, whose readers know their roles, and their model_config.json stays byte for byte what it was."""
@@ -95,6 +96,7 @@ class TextConfig:
             split=list(plan.split),
             head="token_id" if layout == "published" else "logits",
             chunks=plan.describe(bits) if len(plan.chunks) != 3 else None,
+            weights=weights or None,
         )
 
     def to_json(self) -> dict:
@@ -243,6 +245,7 @@ TEXT_FIELDS = {
         lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, dict) and "name" in c for c in v),
     ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
+    "weights": (False, "an object (how linear weights were compressed)", lambda v: isinstance(v, dict)),
 }
 
 # `assistant`: name -> (what it must be, test of the value given the entry so far and the whole config); every

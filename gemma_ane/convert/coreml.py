@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import layout
-from .options import ConvertError, ConvertOptions
+from .options import ConvertError, ConvertOptions, saved_name
 
 WORK = ".work"  # scratch packages inside the partial bundle, removed once merged
 
@@ -40,18 +40,24 @@ def _register_int_fix() -> None:
         context.add(res, node.name)
 
 
-def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
-    """A MIL graph pass replacing each linear weight (fp16 const of >= 2048 values, coremltools'
-    default threshold) by `constexpr_lut_to_dense`; weights whose rows do not divide into groups
-    stay fp16 and are named in `skipped`. `cache` maps weight bytes to their LUT, so the functions of a chunk
-    get bit-identical LUTs (and the merge can share them) without running k-means twice."""
+def _palettize_pass(options: ConvertOptions, cache: dict, skipped: set, kept: set | None = None):
+    """A MIL graph pass compressing each linear weight (fp16 const of >= 2048 values, coremltools' default
+    threshold) at `options.bits`: `--quant lut` replaces it by `constexpr_lut_to_dense` (a k-means LUT per
+    `group_size` output rows), `--quant block` by `constexpr_blockwise_shift_scale` (int4/int8, one scale per
+    `group_size` inputs). A weight whose name matches a `--keep` pattern stays fp16 and is named in `kept`; one whose
+    rows (lut) or inputs (block) do not divide into groups stays fp16 and is named in `skipped`. `cache` maps weight
+    bytes to their compressed form, so the functions of a chunk get bit-identical weights (and the merge can share
+    them) without quantizing twice."""
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
     from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
 
+    from .blockquant import blockwise_weight, quantize_blockwise
     from .palettize import kmeans_lut
 
+    nbits, group_size, block = options.bits, options.group_size, options.quant == "block"
     index_dtype = types.nptype_from_builtin(types.string_to_builtin(f"uint{nbits}"))
+    kept = set() if kept is None else kept
 
     class PalettizeLinearWeights(AbstractGraphPass):
         def apply(self, prog):
@@ -69,16 +75,23 @@ def _palettize_pass(nbits: int, group_size: int, cache: dict, skipped: set):
                 return
             if not var.child_ops or any(c.op_type != "linear" or c.weight is not var for c in var.child_ops):
                 return
-            if val.shape[0] % group_size:
+            if options.kept(op.name):
+                kept.add(saved_name(op.name))
+                return
+            if val.shape[1 if block else 0] % group_size:
                 skipped.add(f"{op.name} {val.shape}")
                 return
             key = hashlib.sha1(np.ascontiguousarray(val, np.float16).tobytes()).hexdigest()
             if key not in cache:
-                cache[key] = kmeans_lut(val, nbits, group_size)
-            lut, indices = cache[key]
-            new = mb.constexpr_lut_to_dense(
-                indices=indices.astype(index_dtype), lut=lut, before_op=op, name=op.name + "_palettized"
-            )
+                cache[key] = quantize_blockwise(val, nbits, group_size) if block else kmeans_lut(val, nbits, group_size)
+            if block:
+                q, scale = cache[key]
+                new = blockwise_weight(q, scale, nbits, before_op=op, name=op.name + "_quantized")
+            else:
+                lut, indices = cache[key]
+                new = mb.constexpr_lut_to_dense(
+                    indices=indices.astype(index_dtype), lut=lut, before_op=op, name=op.name + "_palettized"
+                )
             op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=var, new_var=new)
             op.enclosing_block.remove_ops([op])
 
@@ -187,17 +200,21 @@ def trace_function(model, chunk, function: str, timer):
 
 
 def finish_function(
-    prog, options: ConvertOptions, lut_cache: dict, timer, skipped: set | None = None, package_dir: Path | None = None
+    prog,
+    options: ConvertOptions,
+    lut_cache: dict,
+    timer,
+    skipped: set | None = None,
+    package_dir: Path | None = None,
+    kept: set | None = None,
 ):
-    """Palettize a traced program and serialise it; with `package_dir` the package is written
+    """Palettize (or block-quantize) a traced program and serialise it; with `package_dir` the package is written
     there directly (otherwise coremltools keeps a temporary copy until the process exits)."""
     import coremltools as ct
 
     if options.bits != 16:
         with timer("palettize"):
-            _palettize_pass(options.bits, options.group_size, lut_cache, skipped if skipped is not None else set())(
-                prog
-            )
+            _palettize_pass(options, lut_cache, skipped if skipped is not None else set(), kept)(prog)
     with timer("convert"), quiet_coremltools():
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
@@ -245,10 +262,9 @@ def save_one_function(prog, function: str, name: str, options: ConvertOptions, o
     to OUT/NAME.mlmodelc. Returns the path written."""
     work = out / WORK
     work.mkdir(exist_ok=True)
-    path, skipped = layout.package_path(work, f"{name}.{function}"), set()
-    finish_function(prog, options, {}, timer, skipped, path)
-    if skipped:
-        print(f"note: {len(skipped)} weight(s) of {name} stay fp16 (e.g. {sorted(skipped)[0]})")
+    path, skipped, kept = layout.package_path(work, f"{name}.{function}"), set(), set()
+    finish_function(prog, options, {}, timer, skipped, path, kept)
+    note_fp16(name, options, skipped, kept)
     final = layout.package_path(out, name)
     with timer("merge"), quiet_coremltools(), temp_files_in(work):
         merge_functions({function: path}, final, default=function)
@@ -259,6 +275,18 @@ def save_one_function(prog, function: str, name: str, options: ConvertOptions, o
         compile_package(final, layout.compiled_path(out, name))
         shutil.rmtree(final)
     return layout.compiled_path(out, name)
+
+
+def note_fp16(name: str, options: ConvertOptions, skipped: set, kept: set) -> None:
+    """Say which linear weights of a model stayed fp16, and why."""
+    if skipped:
+        axis = "input" if options.quant == "block" else "output"
+        print(
+            f"note: {len(skipped)} weight(s) of {name} stay fp16: {axis} channels not divisible by "
+            f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})"
+        )
+    if kept:
+        print(f"note: {len(kept)} weight(s) of {name} kept fp16 by --keep: {', '.join(sorted(kept))}")
 
 
 def compile_package(package: Path, dest: Path) -> None:

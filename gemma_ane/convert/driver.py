@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import platform
-from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
@@ -100,7 +99,7 @@ def convert(
 def model_config(root: Path, plan: ChunkPlan, options: ConvertOptions, name: str, components: list) -> dict:
     """The bundle's model_config.json, checked by the rules `load` reads it with: a checkpoint whose config would
     make a bundle `load` refuses is refused here, naming the field, before anything is converted."""
-    text = schema.TextConfig.of(plan.spec, plan, options.bits, options.layout, name)
+    text = schema.TextConfig.of(plan.spec, plan, options.bits, options.layout, name, weights_record(options))
     config = schema.model_config(text, **{c.name: c.config_entry() for c in components})
     try:
         schema.check_model_config(config, f"{root / 'config.json'}: the bundle's {layout.MODEL_CONFIG}")
@@ -108,6 +107,20 @@ def model_config(root: Path, plan: ChunkPlan, options: ConvertOptions, name: str
         hint = next((f" ({c.without})" for c in components if f": {c.name}." in str(e)), "")
         raise ConvertError(f"{e}{hint}") from None
     return config
+
+
+def weights_record(options: ConvertOptions) -> dict | None:
+    """model_config.json's record of a compression other than the default (k-means LUT, nothing kept)."""
+    if options.quant == "lut" and not options.keep:
+        return None
+    axis = {"lut": "output", "block": "input"}[options.quant]
+    return {
+        "quant": options.quant,
+        "bits": options.bits,
+        "group_size": options.group_size,
+        "group_axis": axis,
+        "keep": list(options.keep),
+    }
 
 
 def manifest_header(src: Path, options: ConvertOptions, plan: ChunkPlan, components: list) -> dict:
@@ -123,7 +136,7 @@ def manifest_header(src: Path, options: ConvertOptions, plan: ChunkPlan, compone
         "format_version": 1,
         "converter": {"gemma_ane": __version__, "coremltools": ct.__version__, "torch": torch.__version__},
         "source": {"path": str(src), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
-        "options": {**asdict(options), "split": list(plan.split)},
+        "options": {**options.record(), "split": list(plan.split)},
         "plan": plan.to_json(),
         **{c.name: c.manifest_entry() for c in components},
     }
@@ -158,8 +171,12 @@ def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, s
     quant = (
         "fp16 weights (no palettization)"
         if options.bits == 16
-        else (f"{options.bits}-bit k-means LUT palettization, one LUT per {options.group_size} output channels")
+        else f"int{options.bits} block-wise linear quantization, one scale per {options.group_size} input channels"
+        if options.quant == "block"
+        else f"{options.bits}-bit k-means LUT palettization, one LUT per {options.group_size} output channels"
     )
+    if options.keep and options.bits != 16:
+        quant += f" (weights matching {', '.join(f'`{k}`' for k in options.keep)} kept fp16)"
     chunks = "\n".join(
         f"| `{c.name}` | {c.layers[0]}-{c.layers[-1]} | {', '.join(c.functions)} "
         f"| {sizes.get(c.name, 0) / 1e6:.1f} MB |"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from ..spec import MAX_DRAFT_TOKENS
 
 class ConvertError(ConversionError):
     """A conversion that cannot proceed; the message names the option, file or value."""
+
+
+QUANT_MODES = ("lut", "block")
+BLOCK_BITS = (4, 8, 16)  # constexpr_blockwise_shift_scale holds int4 or int8 (16: nothing is quantized)
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,24 @@ class ConvertOptions:
     vision: bool = True
     image_tokens: int = 280
     vision_bits: int | None = None
+    # how linear weights are compressed: "lut" (k-means LUT per group_size output rows) or "block" (int4/int8, one
+    # scale per group_size inputs: exact for a checkpoint trained onto q4_0's grid); weights whose name matches a
+    # `keep` pattern (a regular expression, searched) stay fp16
+    quant: str = "lut"
+    keep: tuple[str, ...] = ()
 
     def check(self) -> None:
+        if self.quant not in QUANT_MODES:
+            raise ConvertError(f"--quant {self.quant!r}: choose lut or block")
         if self.bits not in (4, 6, 8, 16):
             raise ConvertError(f"--bits {self.bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.quant == "block" and self.bits not in BLOCK_BITS:
+            raise ConvertError(f"--bits {self.bits}: --quant block stores int4 or int8; choose 4, 8 or 16")
+        for pattern in self.keep:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConvertError(f"--keep {pattern!r}: not a regular expression ({e})") from None
         if self.layout not in ("ours", "published"):
             raise ConvertError(f"--layout {self.layout!r}: choose ours or published")
         if self.group_size < 1:
@@ -62,12 +81,39 @@ class ConvertOptions:
             raise ConvertError(f"--image-tokens {self.image_tokens}: choose one of {budgets}")
         if self.vision_bits not in (None, 4, 6, 8, 16):
             raise ConvertError(f"--vision-bits {self.vision_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.quant == "block" and self.vision_bits not in (None, *BLOCK_BITS):
+            raise ConvertError(
+                f"--vision-bits {self.vision_bits}: --quant block stores int4 or int8; choose 4, 8 or 16"
+            )
+
+    def kept(self, name: str) -> bool:
+        """Whether the weight so named stays fp16: a --keep pattern found in its name as traced (the checkpoint's
+        spelling, "layers.0.self_attn.o_proj.weight_to_fp16") or as saved and shown by inspect
+        ("layers_0_self_attn_o_proj_weight_to_fp16")."""
+        return any(re.search(p, n) for p in self.keep for n in (name, saved_name(name)))
+
+    def record(self) -> dict:
+        """The options as the manifest states them. The quantization fields are left out at their defaults, so a
+        bundle converted with the defaults stays byte-identical to one converted before they existed."""
+        record = dataclasses.asdict(self)
+        for name in ("quant", "keep"):
+            if record[name] == _DEFAULTS[name]:
+                del record[name]
+        return record
 
     @property
     def vision_options(self) -> ConvertOptions:
         """These options with the vision model's bits."""
         bits = self.vision_bits or (self.bits if self.bits >= 8 else 8)
         return dataclasses.replace(self, bits=bits)
+
+
+def saved_name(name: str) -> str:
+    """A MIL op's name as a saved program holds it (coremltools turns what is not a word character into "_")."""
+    return re.sub(r"\W", "_", name)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
 
 
 class StageTimer:

@@ -42,7 +42,7 @@ def convert_chunk(
             model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
         except ValueError as e:
             raise ConvertError(f"{ckpt.root}: {e}") from None
-    lut_cache, paths, skipped = {}, {}, set()
+    lut_cache, paths, skipped, kept = {}, {}, set(), set()
     for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn", disable=not progress)):
         paths[function] = layout.package_path(work, f"{chunk.name}.{function}")
         prog = coreml.trace_function(model, chunk, function, timer)
@@ -51,15 +51,11 @@ def convert_chunk(
             # E2B size) would otherwise sit beside palettization's buffers.
             del model
             gc.collect()
-        coreml.finish_function(prog, options, lut_cache, timer, skipped, paths[function])
+        coreml.finish_function(prog, options, lut_cache, timer, skipped, paths[function], kept)
         del prog
     del lut_cache
     gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
-    if skipped:
-        print(
-            f"note: {len(skipped)} weight(s) of {chunk.name} stay fp16: output channels not divisible by "
-            f"--group-size {options.group_size} (e.g. {sorted(skipped)[0]})"
-        )
+    coreml.note_fp16(chunk.name, options, skipped, kept)
     package = layout.package_path(out, chunk.name)
     with timer("merge"), coreml.quiet_coremltools(), coreml.temp_files_in(work):
         coreml.merge_functions(paths, package)

@@ -1,0 +1,205 @@
+"""`convert --quant {lut,block}` and `--keep`: the weight pass picks LUT or block-wise per weight, `inspect` shows
+which, `inspect --ane` notes where the Neural Engine's support is documented, and a checkpoint on q4_0's grid
+converted with `block` is lossless up to fp16 arithmetic (bench/quant_quality.py builds it)."""
+
+import json
+import sys
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import pytest
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import types
+
+from gemma_ane.audit import audit_bundle, format_audit
+from gemma_ane.cli import main
+from gemma_ane.convert import ConvertError, ConvertOptions
+from gemma_ane.convert.blockquant import dequantize_blockwise
+from gemma_ane.convert.coreml import _palettize_pass
+from gemma_ane.mil import MILModel
+from gemma_ane.package import Package, weight_formats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from quant_quality import both_grids, corpus, int8_row_grid, move_onto_grid, q4_0_grid  # noqa: E402
+
+iOS18 = ct.target.iOS18
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(quant="kmeans"), "--quant 'kmeans': choose lut or block"),
+        (dict(quant="block", bits=6), "--bits 6: --quant block stores int4 or int8; choose 4, 8 or 16"),
+        (dict(quant="block", vision_bits=6), "--vision-bits 6: --quant block stores int4 or int8"),
+        (dict(keep=("layers_(",)), r"--keep 'layers_\(': not a regular expression"),
+    ],
+)
+def test_bad_quantization_options_are_refused_in_one_line(options, message):
+    with pytest.raises(ConvertError, match=message):
+        ConvertOptions(**options).check()
+
+
+def test_the_cli_refuses_before_reading_the_checkpoint(capsys, tmp_path):
+    rc, out, err = run(capsys, "convert", tmp_path / "missing", tmp_path / "out", "--quant", "block", "--bits", "6")
+    assert rc == 2 and err.count("\n") == 1 and "--quant block stores int4 or int8" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_manifest_states_quantization_only_when_not_the_default():
+    """A default conversion's manifest is the one written before --quant existed (tests/test_byte_identity.py)."""
+    assert {"quant", "keep"}.isdisjoint(ConvertOptions().record())
+    record = ConvertOptions(quant="block", keep=("lm_head",)).record()
+    assert record["quant"] == "block" and list(record["keep"]) == ["lm_head"]
+    assert json.loads(json.dumps(record))["keep"] == ["lm_head"]
+
+
+def grid_weight(out, cols, seed):
+    rng = np.random.default_rng(seed)
+    return q4_0_grid(rng.normal(0, 0.03, (out, cols)).astype(np.float32)).astype(np.float16)
+
+
+def linear_program(weights: dict):
+    """One linear op per named fp16 weight, applied in turn to a [1, 128] input."""
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 128), dtype=types.fp16)], opset_version=iOS18)
+    def prog(x):
+        for name, w in weights.items():
+            x = mb.linear(x=x, weight=mb.const(val=w, name=name))
+        return x
+
+    return prog
+
+
+def test_the_pass_stores_block_weights_keeps_matches_and_skips_what_does_not_divide():
+    weights = {
+        "layers_0_q_proj_weight": grid_weight(128, 128, 0),  # blocks of 32 inputs: block int4
+        "layers.0.o_proj.weight": grid_weight(128, 128, 1),  # kept by --keep, named as traced
+    }
+    odd = {"layers_0_odd_weight": np.full((48, 128), 0.01, np.float16)}
+    prog = linear_program({**weights, **odd})
+    options = ConvertOptions(quant="block", bits=4, group_size=32, keep=("layers_0_o_proj",))  # as saved
+    skipped, kept = set(), set()
+    _palettize_pass(ConvertOptions(quant="block", group_size=48, keep=("o_proj",)), {}, skipped, kept)(
+        linear_program(odd)
+    )
+    assert skipped == {"layers_0_odd_weight (48, 128)"}  # 128 inputs do not divide into blocks of 48
+    skipped, kept = set(), set()
+    _palettize_pass(options, {}, skipped, kept)(prog)
+    assert kept == {"layers_0_o_proj_weight"} and not skipped  # named as saved, and as inspect shows it
+    fn = prog.functions["main"]
+    producers = {op.weight.op.name: op.weight.op for op in fn.operations if op.op_type == "linear"}
+    assert producers["layers.0.o_proj.weight"].op_type == "const"
+    block = producers["layers_0_q_proj_weight_quantized"]
+    assert block.op_type == "constexpr_blockwise_shift_scale"
+    assert types.builtin_to_string(block.data.dtype) == "int4" and block.scale.shape == (128, 4)
+    # on the grid: the stored integers and scales give the weight back bit for bit
+    q, scale = block.data.val.astype(np.int8), block.scale.val
+    np.testing.assert_array_equal(dequantize_blockwise(q, scale), weights["layers_0_q_proj_weight"].astype(np.float32))
+    assert weight_formats(fn) == {
+        "formats": {"block int4 / 32 inputs": 2, "fp16": 1},
+        "fp16": ["layers.0.o_proj.weight"],
+    }
+
+
+def test_the_lut_pass_is_the_default_and_inspect_and_the_audit_name_each_form(tmp_path):
+    w = {"a_weight": grid_weight(128, 128, 2), "b_weight": grid_weight(128, 128, 3)}
+    lut, block = linear_program(w), linear_program(w)
+    _palettize_pass(ConvertOptions(), {}, set())(lut)
+    _palettize_pass(ConvertOptions(quant="block", bits=8), {}, set())(block)
+    assert weight_formats(lut.functions["main"])["formats"] == {"lut 4-bit / 32 rows": 2}
+    for name, prog in (("lut", lut), ("block", block)):
+        model = ct.convert(
+            prog, minimum_deployment_target=iOS18, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True
+        )
+        model.save(str(tmp_path / name / "chunk_1.mlpackage"))
+    saved = Package.open(tmp_path / "block" / "chunk_1.mlpackage").program().functions["main"]
+    assert weight_formats(saved) == {"formats": {"block int8 / 32 inputs": 2}, "fp16": []}
+    # the executor runs the saved block-wise program as the fp16 weights it stores
+    x = np.random.default_rng(4).normal(size=(1, 128)).astype(np.float16)
+    want = x.astype(np.float32) @ w["a_weight"].astype(np.float32).T @ w["b_weight"].astype(np.float32).T
+    got = MILModel(tmp_path / "block" / "chunk_1.mlpackage", precision="fp32").predict({"x": x})
+    np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)
+    notes = [f for c in audit_bundle(tmp_path / "block")["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    assert [(n["verdict"], n["count"]) for n in notes] == [("note", 2)]
+    assert "int8 weights, one scale per 32 inputs (per-block: documented gains on the GPU)" in notes[0]["detail"]
+    text = format_audit(audit_bundle(tmp_path / "block"))
+    assert "opt-quantization-perf" not in text  # a note does not print its rule; the JSON report carries it
+    assert "opt-quantization-perf" in audit_bundle(tmp_path / "block")["rules"]["block"]
+    assert not [f for c in audit_bundle(tmp_path / "lut")["chunks"] for f in c["findings"] if f["rule"] == "block"]
+
+
+def test_the_grids_are_exact_where_the_bundle_reads_them():
+    """bench/quant_quality.py's grids: q4_0's comes back from the block quantizer bit for bit, the int8 rows from
+    host.quantize_rows, and the tied embedding's from both."""
+    from gemma_ane.convert.blockquant import quantize_blockwise
+    from gemma_ane.host import quantize_rows
+
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.03, (64, 256)).astype(np.float32)
+
+    def block_exact(g):
+        q, s = quantize_blockwise(g.astype(np.float16), 4, 32)
+        return np.array_equal(dequantize_blockwise(q, s), g)
+
+    def rows_exact(g):
+        q, s = quantize_rows(g)
+        return np.array_equal(q.astype(np.float32) * (s.astype(np.float32) / 127)[:, None], g)
+
+    assert block_exact(q4_0_grid(w)) and rows_exact(int8_row_grid(w)) and not block_exact(w)
+    tied = both_grids(w)
+    assert block_exact(tied) and rows_exact(tied)
+    assert np.corrcoef(tied.ravel(), w.ravel())[0, 1] > 0.9  # still the weight it was moved from
+
+
+@pytest.mark.slow
+def test_a_q4_0_grid_checkpoint_converts_losslessly_with_block(tiny_e2b, tmp_path, capsys):
+    """The q4_0-grid variant of e2b-mini, `convert --quant block --bits 4` (one weight kept fp16 by --keep):
+    against transformers in fp32 arithmetic, KLD mean <= 1e-5 and top-1 1.0; inspect and the records say how."""
+    grid = move_onto_grid(tiny_e2b, tmp_path / "grid")
+    out = tmp_path / "bundle"
+    argv = ["convert", grid, out, "--quant", "block", "--bits", 4, "--context", 64, "--no-vision", "--quiet"]
+    rc, text, err = run(capsys, *argv, "--keep", "layers_0_.*o_proj")
+    assert rc == 0, err
+    assert "kept fp16 by --keep" in text and "o_proj" in text
+    rc, text, err = run(
+        capsys,
+        "eval",
+        grid,
+        "--bundle",
+        out,
+        "--text",
+        corpus(tmp_path / "t.txt", 120),
+        "--context",
+        64,
+        "--precision",
+        "fp32",
+        "--json",
+        "--quiet",
+    )
+    assert rc == 0, err
+    report = json.loads(text)
+    assert report["tokens"] > 100
+    assert report["kld_mean"] <= 1e-5 and report["top1_agreement"] == 1.0, report
+    rc, text, err = run(capsys, "inspect", out, "--no-sha")
+    assert rc == 0, err
+    assert "block int4 / 32 inputs" in text and "lut" not in text
+    assert "fp16 (>= 2048 values): " in text and "o_proj" in text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["quant"] == "block" and manifest["options"]["keep"] == ["layers_0_.*o_proj"]
+    config = json.loads((out / "model_config.json").read_text())
+    assert config["quantization"] == "int4"
+    assert config["weights"] == {
+        "quant": "block",
+        "bits": 4,
+        "group_size": 32,
+        "group_axis": "input",
+        "keep": ["layers_0_.*o_proj"],
+    }
+    assert "int4 block-wise linear quantization" in (out / "README.md").read_text()
