@@ -1,9 +1,9 @@
 """model_config.json (CONTRACT §2): the one schema that writes it and reads it back.
 
-The converter builds the text entry, the drafter's entry and the vision model's entry here (`text_entry`,
-`assistant_entry`, `vision_entry`) and publishes them with `check_model_config` first: the rules `load` applies
-when it reads the file are the rules a conversion must pass before anything is written, so `convert` can never
-publish a bundle that `load` refuses.
+The converter builds the text entry, the drafter's entry, the vision model's and the audio model's entries here
+(`text_entry`, `assistant_entry`, `vision_entry`, `audio_entry`) and publishes them with `check_model_config`
+first: the rules `load` applies when it reads the file are the rules a conversion must pass before anything is
+written, so `convert` can never publish a bundle that `load` refuses.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..audio import MAX_SOFT_TOKENS, MEL_BINS, SAMPLE_RATE
 from ..files import FileFormatError, read_json
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import FULL, MAX_DRAFT_TOKENS, SLIDING
 from .errors import BundleError
 from .layout import MODEL_CONFIG, VISION_POSITION_TABLE
 
-ASSISTANT, VISION = "assistant", "vision"  # the one-function models' entries
+ASSISTANT, VISION, AUDIO = "assistant", "vision", "audio"  # the one-function models' entries
 
 
 def text_entry(spec, plan, bits: int, layout: str, name: str) -> dict:
@@ -84,6 +85,27 @@ def vision_entry(spec, image_tokens: int) -> dict:
         "position_table": VISION_POSITION_TABLE,
         **dict(zip(VISION_TOKEN_IDS, spec.token_ids)),
     }
+
+
+AUDIO_TOKEN_IDS = ("boa_token_id", "audio_token_id", "eoa_token_id")
+
+
+def audio_entry(buckets, token_ids) -> dict:
+    """`audio`: what the host needs to turn a clip into the audio model's inputs: the buckets (mel frames per
+    clip, ascending; each one function of the package, `audio_function`), the features' shape and rate, and the
+    begin/placeholder/end token ids."""
+    return {
+        "buckets": sorted(buckets),
+        "mel_bins": MEL_BINS,
+        "sample_rate": SAMPLE_RATE,
+        **dict(zip(AUDIO_TOKEN_IDS, token_ids)),
+    }
+
+
+def audio_function(frames: int, buckets) -> str:
+    """The audio model's function for the bucket of `frames` mel frames: `encode` for the largest (the one every
+    clip the bundle takes fits), `encode_{frames}` for the shorter ones."""
+    return "encode" if frames == max(buckets) else f"encode_{frames}"
 
 
 def model_config(text: dict, **entries: dict) -> dict:
@@ -175,6 +197,37 @@ VISION_FIELDS = {
 }
 
 
+# the processor's cap of MAX_SOFT_TOKENS soft tokens (30 s), rounded up to whole attention blocks of up to 24 rows
+MAX_BUCKET_FRAMES = 4 * 24 * -(-MAX_SOFT_TOKENS // 24)  # 3072; E2B's 30 s bucket is 3024
+
+
+def _buckets(v) -> bool:
+    """Ascending mel-frame counts, each a multiple of 4 (the two stride-2 convolutions keep frames / 4 rows), none
+    past MAX_BUCKET_FRAMES."""
+    return (
+        isinstance(v, list)
+        and len(v) > 0
+        and all(_positive(f) and f % 4 == 0 for f in v)
+        and v == sorted(set(v))
+        and v[-1] <= MAX_BUCKET_FRAMES
+    )
+
+
+# `audio`, as ASSISTANT_FIELDS
+AUDIO_FIELDS = {
+    "buckets": (
+        f"ascending positive multiples of 4 mel frames, at most {MAX_BUCKET_FRAMES}",
+        lambda v, e, c: _buckets(v),
+    ),
+    "mel_bins": (f"{MEL_BINS}", lambda v, e, c: _integer(v) and v == MEL_BINS),
+    "sample_rate": (f"{SAMPLE_RATE}", lambda v, e, c: _integer(v) and v == SAMPLE_RATE),
+    **{
+        name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
+        for name in AUDIO_TOKEN_IDS
+    },
+}
+
+
 def check_model_config(config, where: str) -> None:
     """The rules every model_config.json meets, written or read: a BundleError `where: field=value: expected ...`
     at the first field that breaks one."""
@@ -187,7 +240,7 @@ def check_model_config(config, where: str) -> None:
         elif not ok(config[name]) or name.endswith("_token_id") and config[name] >= config["vocab_size"]:
             what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
             raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
-    for key, fields in ((ASSISTANT, ASSISTANT_FIELDS), (VISION, VISION_FIELDS)):
+    for key, fields in ((ASSISTANT, ASSISTANT_FIELDS), (VISION, VISION_FIELDS), (AUDIO, AUDIO_FIELDS)):
         if key in config:
             _check_entry(where, config, key, fields)
     if ASSISTANT in config and SLIDING in config[ASSISTANT]["producers"] and "sliding_window" not in config:

@@ -8,9 +8,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..audio import MAX_SECONDS
 from ..files import stop_point
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import MAX_DRAFT_TOKENS
+
+# The audio model's buckets, in seconds of audio: a clip runs in the shortest that holds it, and the encoder's cost
+# grows with the bucket's length, so each bucket about doubles the last (a clip pays at most ~2x its own length;
+# 2.5 s holds a short question) up to 30 s, the feature extractor's and the processor's cap (750 soft tokens).
+AUDIO_BUCKET_SECONDS = (2.5, 5.0, 10.0, 20.0, MAX_SECONDS)
 
 
 class ConvertError(ValueError):
@@ -40,6 +46,11 @@ class ConvertOptions:
     vision: bool = True
     image_tokens: int = 280
     vision_bits: int | None = None
+    # the audio tower (when the checkpoint has one) as audio.mlpackage, one function per bucket of clip length (the
+    # longest the clips it takes), its weights at audio_bits
+    audio: bool = True
+    audio_bits: int = 8
+    audio_seconds: tuple[float, ...] = AUDIO_BUCKET_SECONDS
 
     def check(self) -> None:
         if self.bits not in (4, 6, 8, 16):
@@ -61,12 +72,24 @@ class ConvertOptions:
             raise ConvertError(f"--image-tokens {self.image_tokens}: choose one of {budgets}")
         if self.vision_bits not in (None, 4, 6, 8, 16):
             raise ConvertError(f"--vision-bits {self.vision_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        if self.audio_bits not in (4, 6, 8, 16):
+            raise ConvertError(f"--audio-bits {self.audio_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        seconds = self.audio_seconds
+        if not seconds or any(isinstance(s, bool) or not isinstance(s, (int, float)) for s in seconds):
+            raise ConvertError(f"audio_seconds={seconds!r}: expected a non-empty list of durations in seconds")
+        if not all(0 < s <= MAX_SECONDS for s in seconds):
+            raise ConvertError(f"audio_seconds={list(seconds)}: each must be in (0, {MAX_SECONDS:g}] seconds")
 
     @property
     def vision_options(self) -> ConvertOptions:
         """These options with the vision model's bits."""
         bits = self.vision_bits or (self.bits if self.bits >= 8 else 8)
         return dataclasses.replace(self, bits=bits)
+
+    @property
+    def audio_options(self) -> ConvertOptions:
+        """These options with the audio model's bits."""
+        return dataclasses.replace(self, bits=self.audio_bits)
 
 
 class StageTimer:
