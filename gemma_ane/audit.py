@@ -245,12 +245,13 @@ def audit_package(path: Path, built_with: str | None = None) -> dict:
 
 
 def audit_bundle(root: str | Path) -> dict:
-    """Per chunk and function: findings and a verdict; the host's mask; one verdict for the bundle."""
+    """Per chunk and function: findings and a verdict; the host's mask; one verdict for the bundle. The audio model
+    is audited beside the chunks (every bucket's function): it runs on the Neural Engine too."""
     root = Path(root)
     manifest = root / layout.MANIFEST
     built_with = read_json(manifest).get("converter", {}).get("coremltools") if manifest.is_file() else None
     chunks = []
-    for path in chunk_paths(root):
+    for path in [*chunk_paths(root), *layout.model_paths(root, "audio")[:1]]:
         entry = {"name": path.name.split(".")[0], "path": path.name}
         if path.suffix == ".mlmodelc":
             entry.update(verdict="not audited", reason="compiled; audit the .mlpackage before compiling")
