@@ -96,7 +96,14 @@ def cmd_verify(a):
             + (f" ({report['audio_tokens']} of audio)" if report.get("audio_tokens") else "")
             + ": "
             f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
-            f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}"
+            f"max |logit diff| {report['max_abs_logit_diff']:.4g}"
+            + (
+                f"; judged on the text positions: top-1 {report['text_positions']['top1_agreement']:.4f}, "
+                f"min cosine {report['text_positions']['min_cosine']:.6f}"
+                if report.get("audio_tokens")
+                else ""
+            )
+            + f" -> {'PASS' if report['passed'] else 'FAIL'}"
         )
     return 0 if report["passed"] else 1
 
