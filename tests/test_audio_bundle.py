@@ -120,3 +120,17 @@ def test_the_audio_template_renders_audio_parts_as_gemma_4_does(kind):
     assert ours == "<bos><|turn>user\n<|audio|>Hi<turn|>\n<|turn>model\n"
     assert "<|audio|>" not in ChatTemplate(GEMMA4_CHAT_TEMPLATE).render(messages, add_generation_prompt=True)
     assert "<|audio|>Hi" in ChatTemplate(None).render(messages)  # the built-in formatter (no template in a bundle)
+
+
+def test_gemma_4s_own_template_and_the_built_in_formatter_agree_on_audio_parts():
+    """Google's template (tests/fixtures) renders both audio part types as one `<|audio|>`, as ours do."""
+    from pathlib import Path
+
+    from gemma_ane.chat import gemma4_prompt
+
+    google = ChatTemplate((Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja").read_text())
+    content = [{"type": "audio", "audio": "a.wav"}, {"type": "input_audio"}, {"type": "text", "text": "Hi"}]
+    messages = [{"role": "user", "content": content}]
+    rendered = google.render(messages, add_generation_prompt=True)
+    assert rendered.count("<|audio|>") == 2 and rendered == gemma4_prompt(messages, add_generation_prompt=True)
+    assert ChatTemplate(GEMMA4_AUDIO_CHAT_TEMPLATE).render(messages).count("<|audio|>") == 2
