@@ -214,7 +214,7 @@ def test_pictures_whose_first_48_bits_collide_never_share_tokens(model, vision_b
 def test_bad_image_input_is_one_line(model, tiny_bundle16, images, tmp_path):
     (tmp_path / "not.png").write_text("hello")
     bad = {
-        "audio": ({"type": "audio", "audio": "a.wav"}, "audio input is not supported"),
+        "video": ({"type": "video", "video": "a.mp4"}, "video input is not supported"),
         "no source": ({"type": "image"}, "an image part needs 'image'"),
         "remote": ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "remote image URLs are not"),
         "not base64": ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),
