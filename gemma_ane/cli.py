@@ -83,6 +83,8 @@ def cmd_verify(a):
 
     if a.image and not a.bundle:
         raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
+    if a.audio and not a.bundle:
+        raise ValueError("--audio: needs --bundle (the clips go through the bundle's audio model)")
     if a.bundle:
         report = verify_bundle(
             a.src,
@@ -93,6 +95,7 @@ def cmd_verify(a):
             prompt_len=a.prompt_tokens,
             images=a.image or (),
             max_image_pixels=a.max_image_pixels,
+            audio=a.audio or (),
         )
     else:
         report = verify_graph(
@@ -109,9 +112,17 @@ def cmd_verify(a):
         print(
             f"{report['mode']} ({report['precision']}) vs transformers over {report['positions']} positions"
             + (f" ({report['image_tokens']} of images)" if report.get("image_tokens") else "")
+            + (f" ({report['audio_tokens']} of audio)" if report.get("audio_tokens") else "")
             + ": "
             f"top-1 {report['top1_agreement']:.4f}, min cosine {report['min_cosine']:.6f}, "
-            f"max |logit diff| {report['max_abs_logit_diff']:.4g} -> {'PASS' if report['passed'] else 'FAIL'}"
+            f"max |logit diff| {report['max_abs_logit_diff']:.4g}"
+            + (
+                f"; judged on the text positions: top-1 {report['text_positions']['top1_agreement']:.4f}, "
+                f"min cosine {report['text_positions']['min_cosine']:.6f}"
+                if report.get("audio_tokens")
+                else ""
+            )
+            + f" -> {'PASS' if report['passed'] else 'FAIL'}"
         )
     return 0 if report["passed"] else 1
 
@@ -179,6 +190,8 @@ def cmd_convert(a):
         vision_bits=a.vision_bits,
         quant=a.quant,
         keep=tuple(a.keep),
+        audio=a.audio,
+        audio_bits=a.audio_bits,
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -594,6 +607,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the vision model's weights: 4, 6, 8 or 16 (default: 8, or --bits when that is higher)",
     )
+    s.add_argument(
+        "--audio",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="convert the checkpoint's audio tower to audio.mlpackage, when it has one (default: yes)",
+    )
+    s.add_argument("--audio-bits", type=int, default=8, help="the audio model's weights: 4, 6, 8 or 16 (default 8)")
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")
@@ -654,6 +674,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --bundle: put this image in the prompt (repeat for more), against Gemma4ForConditionalGeneration",
     )
     _add_max_image_pixels(s)
+    s.add_argument(
+        "--audio",
+        action="append",
+        metavar="FILE",
+        help="with --bundle: put this clip in the prompt (repeat for more), against Gemma4ForConditionalGeneration",
+    )
     s.add_argument(
         "--precision",
         choices=["fp32", "fp16"],

@@ -250,11 +250,12 @@ def _value(text: str, i: int):
 
 
 IMAGE_PLACEHOLDER = "<|image|>"  # what the template renders for an image part; the runtime expands it (encoder.py)
+AUDIO_PLACEHOLDER = "<|audio|>"  # and for an audio part (Gemma 4's template: `audio` and `input_audio` parts)
 
 
 def _parts(message: dict, images: bool = True) -> list[str]:
-    """The content's parts as the template renders them: text, and the placeholder for each image part (system
-    turns and tool results: text only)."""
+    """The content's parts as the template renders them: text, and the placeholder for each image or audio part
+    (system turns and tool results: text only)."""
     content = message.get("content")
     if content is None:
         return []
@@ -267,8 +268,10 @@ def _parts(message: dict, images: bool = True) -> list[str]:
             parts.append(p["text"])
         elif kind in ("image", "image_url"):
             parts += [IMAGE_PLACEHOLDER] if images else []
+        elif kind in ("audio", "input_audio"):
+            parts += [AUDIO_PLACEHOLDER] if images else []
         else:
-            raise ChatError("message content must be a string or a list of text and image parts")
+            raise ChatError("message content must be a string or a list of text, image and audio parts")
     return parts
 
 

@@ -6,7 +6,7 @@ A file is a numpy .npz archive of exactly these members:
   keys, encoder.soft_keys; files from before images hold int32);
 - `meta`: JSON text: {"format": 1, "bundle": the bundle's fingerprint, "context", "window", "images"}, where
   "images" maps the picture number of every soft token in `tokens` to its identity (hex): numbers are the
-  saving process's (encoder.image_number), so a load maps each key to this process's number for the same picture;
+  saving process's (encoder.media_number), so a load maps each key to this process's number for the same picture;
 - `chunk_K/NAME`: chunk K's state NAME: the ring whole, a full cache's first n slots (axis 2).
 A file made for another bundle (other weights, context or window) is refused, never misread.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .bundle import layout
-from .encoder import IDENTITY_BYTES, KEY_BITS, NUMBER_BITS, identity_of, image_number, key_number
+from .encoder import IDENTITY_BYTES, KEY_BITS, NUMBER_BITS, identity_of, key_number, media_number
 from .engine import RING, Engine
 from .errors import InputError
 from .files import write_atomic
@@ -240,6 +240,6 @@ def _soft_keys_here(tokens: list[int], images, path) -> list[int]:
                     f"{path}: meta.images: picture {number} of soft token {t} {what} (files saved before "
                     "image identities cannot be mapped: save it again)"
                 )
-            numbers[number] = image_number(raw)
+            numbers[number] = media_number(raw)
         out.append(-((numbers[number] << KEY_BITS) + index) - 1)
     return out

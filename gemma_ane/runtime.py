@@ -31,7 +31,7 @@ from .chat import (
     unused_mark,
 )
 from .drafter import open_drafter
-from .encoder import expand_media, media_sources, open_image_encoder
+from .encoder import expand_media, media_sources, open_audio_encoder, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .events import Event, Result, Stats
 from .files import read_json
@@ -111,6 +111,8 @@ def _check(cancelled) -> None:
 
 
 class Model:
+    audio = None  # the bundle's encoder.AudioEncoder, if it has one (load opens it)
+
     def __init__(
         self,
         root: Path,
@@ -135,9 +137,8 @@ class Model:
 
     @property
     def encoders(self) -> dict:
-        """The bundle's media encoders by the content-part type they take (an audio encoder would join the image
-        encoder here)."""
-        return {e.kind: e for e in (self.images,) if e is not None}
+        """The bundle's media encoders by the content-part type they take."""
+        return {e.kind: e for e in (self.images, self.audio) if e is not None}
 
     @property
     def context(self) -> int:
@@ -637,7 +638,10 @@ def load(
     config = read_json(root / layout.MODEL_CONFIG)
     drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
     images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
-    return Model(root, engine, tokenizer, _template(root / layout.HF_DIR), generation, config, backend, drafter, images)
+    template = _template(root / layout.HF_DIR)
+    model = Model(root, engine, tokenizer, template, generation, config, backend, drafter, images)
+    model.audio = open_audio_encoder(root, backend, precision, compute_units, config)
+    return model
 
 
 def _template(hf: Path) -> ChatTemplate:

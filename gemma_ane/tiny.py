@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .files import building
-from .tokenizer_files import TINY_MEDIA_TOKENS, write_tokenizer_files
+from .tokenizer_files import TINY_AUDIO_TOKENS, TINY_MEDIA_TOKENS, write_tokenizer_files
 
 S, F = "sliding_attention", "full_attention"
 
@@ -336,6 +336,8 @@ AUDIO = dict(
     use_clipped_linears=True,
 )
 AUDIO_PRESETS = ("e2b-audio-mini",)
+# and of the audio tokens, for AUDIO_PRESETS (whose tokenizer has them: tokenizer_files.TINY_AUDIO_TOKENS)
+AUDIO_TOKEN_IDS = dict(zip(("boa_token_id", "audio_token_id", "eoa_token_index"), TINY_AUDIO_TOKENS))
 
 
 def _randomize_audio(model, seed: int = 0) -> None:
@@ -396,6 +398,7 @@ def build_model(preset: str, seed: int = 0):
         eos_token_id=[1, 106],
         tie_word_embeddings=True,
         **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
+        **(AUDIO_TOKEN_IDS if preset in AUDIO_PRESETS else {}),
     )
     model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -496,14 +499,14 @@ GENERATION_CONFIG = {
 
 
 @contextmanager
-def checkpoint_dir(out: Path, vocab_size: int, corpus: str | None = None):
+def checkpoint_dir(out: Path, vocab_size: int, corpus: str | None = None, audio: bool = False):
     """Yield a hidden sibling of OUT to fill with weights and config.json; then add the generation
-    config and tokenizer files (merges from `corpus`, else the default one) and rename it into place.
-    A failure leaves no OUT."""
+    config and tokenizer files (merges from `corpus`, else the default one; the audio tokens with `audio`) and
+    rename it into place. A failure leaves no OUT."""
     with building(out) as tmp:
         yield tmp
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-        write_tokenizer_files(tmp, vocab_size, *([corpus] if corpus is not None else []))
+        write_tokenizer_files(tmp, vocab_size, *([corpus] if corpus is not None else []), audio=audio)
 
 
 def write_tiny(
@@ -535,7 +538,7 @@ def write_tiny(
 
         train(model, vocab_size)
         corpus = tokenizer_corpus()
-    with checkpoint_dir(out, vocab_size, corpus) as tmp:
+    with checkpoint_dir(out, vocab_size, corpus, audio=preset in AUDIO_PRESETS) as tmp:
         _save(model, tmp, torch_dtype, shards)
     if assistant is not None:
         drafter = build_assistant(preset, seed)

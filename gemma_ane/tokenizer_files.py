@@ -7,7 +7,8 @@ round-trips any text, while staying a few kilobytes.
 Layout of the vocabulary built here:
 
 - ids 0..127: special tokens. Gemma 4's own ones sit at their real ids, the image tokens at 120..122
-  (``TINY_MEDIA_TOKENS``); the gaps hold ``<unusedN>``.
+  (``TINY_MEDIA_TOKENS``), with ``audio=True`` the audio tokens at 123..125 (``TINY_AUDIO_TOKENS``); the gaps
+  hold ``<unusedN>``.
 - ids 128..383: the 256 byte symbols of the GPT-2 byte-level alphabet, id = 128 + byte, so every
   string is encodable and decodes back byte for byte.
 - ids 384..: BPE merges learned from ``_CORPUS``, then ``<unusedN>`` specials if the corpus runs out
@@ -29,6 +30,7 @@ __all__ = [
     "GEMMA4_CHAT_TEMPLATE",
     "MIN_VOCAB_SIZE",
     "SPECIAL_TOKENS",
+    "TINY_AUDIO_TOKENS",
     "TINY_MEDIA_TOKENS",
     "build_tokenizer",
     "write_tokenizer_files",
@@ -41,6 +43,9 @@ MIN_VOCAB_SIZE = _BYTE_BASE + 256
 # tiny vocabulary, so here they take free ids of the special block, and a tiny config.json names these ids (its
 # boi/image/eoi_token_id) as the real one names its own. Nothing hard-codes either set: bundles carry the ids.
 TINY_MEDIA_TOKENS = {120: "<|image>", 121: "<|image|>", 122: "<image|>"}
+# The audio tokens (begin, placeholder, end; the real ones are 256000, 258881 and 258883), only in the tokenizers of
+# presets with an audio tower that runs: every other preset's tokenizer keeps <unused123..125>, byte for byte.
+TINY_AUDIO_TOKENS = {123: "<|audio>", 124: "<|audio|>", 125: "<audio|>"}
 
 # Same as the E2B config's max_position_embeddings; the bundle's own context limit is enforced elsewhere.
 _MODEL_MAX_LENGTH = 131072
@@ -80,6 +85,18 @@ GEMMA4_CHAT_TEMPLATE = """\
     {{- '<|turn>model\\n' -}}
 {%- endif -%}
 """
+
+# The template of tokenizers with audio tokens: audio parts render as Gemma 4's own template renders them.
+GEMMA4_AUDIO_CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE.replace(
+    """            {%- elif part['type'] in ['image', 'image_url'] -%}
+                {{- '<|image|>' -}}
+""",
+    """            {%- elif part['type'] in ['image', 'image_url'] -%}
+                {{- '<|image|>' -}}
+            {%- elif part['type'] in ['audio', 'input_audio'] -%}
+                {{- '<|audio|>' -}}
+""",
+)
 
 # Training text for the merges. It only has to make frequent English words (and the role names that
 # appear in prompts) single tokens; changing it changes every tokenizer.json built from it.
@@ -173,15 +190,17 @@ def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_tokenizer(vocab_size: int, corpus: str = _CORPUS) -> Tokenizer:
+def build_tokenizer(vocab_size: int, corpus: str = _CORPUS, audio: bool = False) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly ``vocab_size`` ids and Gemma 4's special-token ids, its merges
-    learned from ``corpus`` (a model trained on some text can have them from that text: shorter prompts)."""
+    learned from ``corpus`` (a model trained on some text can have them from that text: shorter prompts); with
+    ``audio``, the audio tokens too (TINY_AUDIO_TOKENS)."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {MIN_VOCAB_SIZE} ({_SPECIAL_BLOCK} special ids + 256 byte symbols), "
             f"got {vocab_size}"
         )
-    specials = [SPECIAL_TOKENS.get(i) or TINY_MEDIA_TOKENS.get(i, f"<unused{i}>") for i in range(_SPECIAL_BLOCK)]
+    media = {**TINY_MEDIA_TOKENS, **(TINY_AUDIO_TOKENS if audio else {})}
+    specials = [SPECIAL_TOKENS.get(i) or media.get(i, f"<unused{i}>") for i in range(_SPECIAL_BLOCK)]
     vocab = {token: i for i, token in enumerate(specials)}
     for byte, symbol in enumerate(byte_symbols()):
         vocab[symbol] = _BYTE_BASE + byte
@@ -204,11 +223,15 @@ def build_tokenizer(vocab_size: int, corpus: str = _CORPUS) -> Tokenizer:
     return tokenizer
 
 
-def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int, corpus: str = _CORPUS) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``out_dir`` (merges from ``corpus``)."""
+def write_tokenizer_files(
+    out_dir: str | os.PathLike, vocab_size: int, corpus: str = _CORPUS, audio: bool = False
+) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``out_dir`` (merges from ``corpus``;
+    with ``audio``, the audio tokens and the template that renders audio parts)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, corpus)
+    tokenizer = build_tokenizer(vocab_size, corpus, audio)
+    template = GEMMA4_AUDIO_CHAT_TEMPLATE if audio else GEMMA4_CHAT_TEMPLATE
     config = {
         # transformers 5 maps this legacy name to its TokenizersBackend, which reads tokenizer.json as is.
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -223,8 +246,8 @@ def write_tokenizer_files(out_dir: str | os.PathLike, vocab_size: int, corpus: s
         # transformers' clean-up drops spaces before punctuation, which breaks exact round trips.
         "clean_up_tokenization_spaces": False,
         "model_max_length": _MODEL_MAX_LENGTH,
-        "chat_template": GEMMA4_CHAT_TEMPLATE,
+        "chat_template": template,
     }
     write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     write_json(out / "tokenizer_config.json", config)
-    write_atomic(out / "chat_template.jinja", GEMMA4_CHAT_TEMPLATE)
+    write_atomic(out / "chat_template.jinja", template)

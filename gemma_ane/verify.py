@@ -199,21 +199,26 @@ def verify_bundle(
     images: list = (),
     prompt_path: str = "all",
     max_image_pixels: int = MAX_PIXELS,
+    audio: list = (),
 ) -> dict:
     """The saved bundle, run by the MIL executor with the runtime's scheduling and the bundle's own
     sidecars, against transformers fed the same dequantised tables. With `images` (paths, bytes or PIL
     images), the prompt holds them too, spread through its text: their soft tokens come from the bundle's
     vision model, and the oracle is Gemma4ForConditionalGeneration fed the same images through transformers'
     processor. `tokens` counts the text positions; every image adds its own, each of at most `max_image_pixels`
-    (checked before ours or transformers' decodes it).
+    (checked before ours or transformers' decodes it). With `audio` (paths or file bytes) instead, the prompt holds
+    those clips: their soft tokens from the bundle's audio model, the oracle fed transformers' own log-mel features
+    of the decoded samples (Gemma4AudioFeatureExtractor); one kind of media a run.
 
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
     from .backend import open_engine
     from .bundle import read_model_config
-    from .encoder import open_image_encoder
+    from .encoder import open_audio_encoder, open_image_encoder
 
+    if images and audio:
+        raise ValueError("--image and --audio: verify one kind of media a run")
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
     if prompt_path not in ("all", "generate"):
@@ -227,12 +232,17 @@ def verify_bundle(
         encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", config, max_image_pixels)
     if images and encoder is None:
         raise ValueError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
+    if audio:
+        encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
+        if encoder is None:
+            raise ValueError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
     prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
-    soft = [encoder.encode(image, f"image {i + 1}") for i, image in enumerate(images)]
+    media = images or audio
+    soft = [encoder.encode(item, f"{encoder.kind} {i + 1}") for i, item in enumerate(media)]
     ids, prompt_len = _with_images(ids, prompt_len, soft, encoder)
     if not 2 <= len(ids) <= engine.context:
-        raise ValueError(f"--tokens {tokens}: {len(ids)} positions with the images; must be in [2, {engine.context}]")
+        raise ValueError(f"--tokens {tokens}: {len(ids)} positions with the media; must be in [2, {engine.context}]")
     engine.soft_tokens = {k: row for image in soft for k, row in zip(image.keys, image.rows)}
     functions = sorted({f for f, _ in engine.plan(0, prompt_len)}) if prompt_path == "generate" else None
     ours = run_engine(engine, np.asarray(ids), prompt_len, "all" if prompt_path == "all" else "last")
@@ -240,6 +250,8 @@ def verify_bundle(
     tables = {k: np.asarray(getattr(host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     if images:
         ref = _oracle_with_images(ckpt, tables, ids, images, encoder)
+    elif audio:
+        ref = _oracle_with_audio(ckpt, tables, ids, audio, encoder)
     else:
         ref = oracle_logits(oracle_model(ckpt, tables), ids)
     first = 0 if prompt_path == "all" else prompt_len - 1  # the rows `ours` holds
@@ -254,20 +266,22 @@ def verify_bundle(
         "seed": seed,
         **compare(ours, ref, first),
     }
-    if images:  # what generation reads: the rows of text (an image row's logits feed nothing)
-        report["image_tokens"] = sum(len(image.keys) for image in soft)
+    if media:  # what generation reads: the rows of text (an image or clip row's logits feed nothing)
+        report[f"{encoder.kind}_tokens"] = sum(len(item.keys) for item in soft)
         text = np.asarray(ids) >= 0
         report["text_positions"] = compare(ours[text], ref[text])
     else:
         report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), full)[first:])
     if prompt_path == "generate":
         report["prompt_functions"] = functions
-    report["passed"] = passed(report)
+    # a clip's own rows' logits are never read: its K/V are, by every text row after it, so audio prompts are
+    # judged on the text rows (their logits at the clip's rows have margins under fp16's error on the tiny presets)
+    report["passed"] = passed({"precision": precision, **report["text_positions"]} if audio else report)
     return report
 
 
 def _with_images(ids: np.ndarray, prompt_len: int, soft: list, encoder) -> tuple[list[int], int]:
-    """The prompt's text with each image (begin, its soft-token keys, end) placed at evenly spaced points in it;
+    """The prompt's text with each image or clip (begin, its soft-token keys, end) placed at evenly spaced points;
     the decoded text follows. Returns (ids, the new prompt length)."""
     ids = [int(t) for t in ids]
     if not soft:
@@ -287,6 +301,58 @@ def _oracle_with_images(ckpt: Checkpoint, tables: dict, ids: list[int], images: 
     as its load_image opens them), so nothing of ours stands between a picture and the oracle. Embedding tables as
     oracle_model's: their int8 round trip, the head untied."""
     import torch
+
+    model = _oracle_conditional(ckpt, tables)
+    pixels = _oracle_pixels(images, encoder.entry)
+    placeholder = encoder.token_ids[1]
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([[t if t >= 0 else placeholder for t in ids]]),
+            pixel_values=torch.from_numpy(pixels["pixel_values"]),
+            image_position_ids=torch.from_numpy(pixels["image_position_ids"]).long(),
+            use_cache=False,
+        )
+    return out.logits[0].float().numpy()
+
+
+def _oracle_with_audio(ckpt: Checkpoint, tables: dict, ids: list[int], clips: list, encoder) -> np.ndarray:
+    """_oracle_with_images for clips: each soft-token key becomes the audio placeholder id, and the clips arrive as
+    transformers' feature extractor makes them from the decoded samples (decoded by soundfile directly, resampled
+    by soxr as librosa does by default), batched as its processor batches them."""
+    import torch
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    model = _oracle_conditional(ckpt, tables)
+    features = Gemma4AudioFeatureExtractor()([_oracle_samples(c) for c in clips], return_tensors="pt")
+    placeholder = encoder.token_ids[1]
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([[t if t >= 0 else placeholder for t in ids]]),
+            input_features=features["input_features"],
+            input_features_mask=features["input_features_mask"],
+            use_cache=False,
+        )
+    return out.logits[0].float().numpy()
+
+
+def _oracle_samples(clip) -> np.ndarray:
+    """A file's samples at 16 kHz, mono float32, as librosa.load(sr=16000) reads them."""
+    import io
+    import os
+
+    import soundfile
+    import soxr
+
+    src = os.fspath(clip) if isinstance(clip, (str, os.PathLike)) else io.BytesIO(bytes(clip))
+    x, rate = soundfile.read(src, dtype="float32", always_2d=True)
+    x = x.mean(axis=1, dtype=np.float32)
+    return x if rate == 16_000 else soxr.resample(x, rate, 16_000, quality="HQ").astype(np.float32)
+
+
+def _oracle_conditional(ckpt: Checkpoint, tables: dict):
+    """transformers' Gemma4ForConditionalGeneration (fp32, eager) from the checkpoint, its embedding tables as
+    oracle_model's: their int8 round trip, the head untied."""
+    import torch
     from transformers import Gemma4ForConditionalGeneration
 
     model = Gemma4ForConditionalGeneration.from_pretrained(ckpt.root, dtype=torch.float32, attn_implementation="eager")
@@ -300,16 +366,7 @@ def _oracle_with_images(ckpt: Checkpoint, tables: dict, ids: list[int], images: 
             getattr(lm, name).weight.copy_(torch.from_numpy(dequantize_rows(tables[q], tables[s], 1.0)))
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(head)
-    pixels = _oracle_pixels(images, encoder.entry)
-    placeholder = encoder.token_ids[1]
-    with torch.no_grad():
-        out = model.eval()(
-            input_ids=torch.tensor([[t if t >= 0 else placeholder for t in ids]]),
-            pixel_values=torch.from_numpy(pixels["pixel_values"]),
-            image_position_ids=torch.from_numpy(pixels["image_position_ids"]).long(),
-            use_cache=False,
-        )
-    return out.logits[0].float().numpy()
+    return model.eval()
 
 
 def _oracle_pixels(images: list, entry: dict) -> dict:

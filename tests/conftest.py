@@ -20,6 +20,7 @@ CONVERTING = {
     "tiny_bundle4",
     "tiny_published",
     "vision_bundle",
+    "audio_bundle",
     "bundle",
     "bundle16",
     "bundle4",
@@ -103,10 +104,10 @@ def copy_ckpt(tmp_path):
 
 def _convert(src: Path, out: Path, **options) -> None:
     """Convert into `out`, and keep the stage timings beside it (for test_convert). Text only unless asked: the
-    vision model costs a conversion of its own (`vision_bundle`)."""
+    vision and audio models cost a conversion of their own (`vision_bundle`, `audio_bundle`)."""
     from gemma_ane.convert import ConvertOptions, convert
 
-    options = {"context": 128, "vision": False, **options}
+    options = {"context": 128, "vision": False, "audio": False, **options}
     seconds = convert(str(src), str(out), ConvertOptions(**options), progress=False)
     (out.parent / "seconds.json").write_text(json.dumps(seconds))
 
@@ -132,6 +133,24 @@ def vision_bundle(tiny_e2b, tmp_path_factory) -> Path:
         _convert(tiny_e2b, d / "bundle", bits=16, context=256, vision=True, image_tokens=70)
 
     return built_once(tmp_path_factory, "vision_bundle", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def tiny_audio(tmp_path_factory) -> Path:
+    """e2b-audio-mini: e2b-mini's text model with an audio tower that runs, and a tokenizer with audio tokens."""
+    return _tiny(tmp_path_factory, "e2b_audio", preset="e2b-audio-mini")
+
+
+@pytest.fixture(scope="session")
+def audio_bundle(tiny_audio, tmp_path_factory) -> Path:
+    """16-bit chunks and audio model (as vision_bundle's: at 8 bits the tiny tower's soft tokens move 1.2%, which
+    the random text model turns into a text-row cosine of 0.977), buckets of 1 and 2 s (two functions: the bucket
+    choice is exercised), a context of 256 (two clips and text)."""
+
+    def build(d: Path):
+        _convert(tiny_audio, d / "bundle", bits=16, context=256, audio=True, audio_bits=16, audio_seconds=(1.0, 2.0))
+
+    return built_once(tmp_path_factory, "audio_bundle", build) / "bundle"
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
 from gemma_ane import audio
-from gemma_ane.convert.models.audio import AudioSpec, convert_audio_tower, load_audio_tower
+from gemma_ane.convert.audio import convert_audio_tower
+from gemma_ane.convert.models.audio import AudioSpec, load_audio_tower
 from gemma_ane.mil import MILModel
 from gemma_ane.tiny import build_model
 

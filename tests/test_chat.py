@@ -189,8 +189,8 @@ def test_template_exception_is_a_chat_error_with_its_message(template, hf_tok):
     [
         ([user("Hi"), {"role": "critic", "content": "42"}], "unknown role 'critic'"),
         ([{"content": "Hi"}], "unknown role None"),
-        ([user([{"type": "audio", "audio": "a.wav"}, {"type": "text", "text": "What is this?"}])], "text and image"),
-        ([user(42)], "string or a list of text and image parts"),
+        ([user([{"type": "video", "video": "a.mp4"}, {"type": "text", "text": "What is this?"}])], "text, image and"),
+        ([user(42)], "string or a list of text, image and audio parts"),
     ],
 )
 def test_builtin_formatter_refuses_what_it_cannot_render(messages, error):

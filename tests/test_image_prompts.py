@@ -214,7 +214,7 @@ def test_pictures_whose_first_48_bits_collide_never_share_tokens(model, vision_b
 def test_bad_image_input_is_one_line(model, tiny_bundle16, images, tmp_path):
     (tmp_path / "not.png").write_text("hello")
     bad = {
-        "audio": ({"type": "audio", "audio": "a.wav"}, "audio input is not supported"),
+        "video": ({"type": "video", "video": "a.mp4"}, "video input is not supported"),
         "no source": ({"type": "image"}, "an image part needs 'image'"),
         "remote": ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "remote image URLs are not"),
         "not base64": ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),
@@ -239,7 +239,7 @@ def test_bad_image_input_is_one_line(model, tiny_bundle16, images, tmp_path):
 def test_images_beyond_the_context_are_refused_before_encoding(model, images):
     before = model.images.encoded
     many = [image(picture(30 + i, 40, 10 + i)) for i in range(4)]  # 4 x ~70 soft tokens > 256
-    with pytest.raises(ContextOverflow, match="images included"):
+    with pytest.raises(ContextOverflow, match="images and audio included"):
         model.generate(messages=[user(*many, "Hi")], max_tokens=1)
     assert model.images.encoded == before
 

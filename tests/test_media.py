@@ -4,6 +4,7 @@ encoder.MediaEncoder, each with its own placeholder, begin and end ids (the imag
 import numpy as np
 import pytest
 
+from gemma_ane.audio import AudioError
 from gemma_ane.encoder import SoftTokens, expand_media, media_sources
 from gemma_ane.engine import ContextOverflow
 from gemma_ane.images import ImageError
@@ -47,7 +48,7 @@ def test_two_kinds_of_media_expand_in_prompt_order():
 
 def test_each_kind_counts_its_own_placeholders_and_the_context_is_checked_first():
     enc = encoders()
-    with pytest.raises(ImageError, match=r"1 audio placeholder\(s\) for 0 audio\(s\)"):
+    with pytest.raises(AudioError, match=r"1 audio placeholder\(s\) for 0 audio\(s\)"):
         expand_media([2, 11, 21], [], enc, [("image", "m[0]", 1)], context=64)
     with pytest.raises(ContextOverflow, match="prompt of 13 tokens"):
         expand_media([2, 11, 21], [], enc, [("image", "m[0]", 4), ("audio", "m[1]", 4)], context=12)
@@ -62,5 +63,32 @@ def test_media_sources_name_each_part():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": "p.png"}]},
     ]
     assert media_sources(messages) == [("image", "messages[1].content[1]", "p.png")]
-    with pytest.raises(ImageError, match=r"messages\[0\].content\[0\]: audio input is not supported"):
-        media_sources([{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}])
+    with pytest.raises(ImageError, match=r"messages\[0\].content\[0\]: video input is not supported"):
+        media_sources([{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}])
+
+
+def test_media_sources_read_audio_parts():
+    """Both audio part types are of type "audio": the template's `audio` (a path, bytes or samples) and OpenAI's
+    `input_audio` (base64 with a format), decoded to bytes here; a malformed one is refused naming its part."""
+    content = [
+        {"type": "audio", "audio": "a.wav"},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    ]
+    assert media_sources([{"role": "user", "content": content}]) == [
+        ("audio", "messages[0].content[0]", "a.wav"),
+        ("audio", "messages[0].content[1]", b"RIFF"),
+    ]
+    bad = {
+        "needs 'audio'": {"type": "audio"},
+        r"content\[0\].input_audio.format: 'aiff' is not one of": {
+            "type": "input_audio",
+            "input_audio": {"data": "UklGRg==", "format": "aiff"},
+        },
+        r"content\[0\].input_audio.data: not valid base64": {
+            "type": "input_audio",
+            "input_audio": {"data": "%%%", "format": "wav"},
+        },
+    }
+    for needle, part in bad.items():
+        with pytest.raises(AudioError, match=needle):
+            media_sources([{"role": "user", "content": [part]}])

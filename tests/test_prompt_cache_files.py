@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemma_ane import encoder
-from gemma_ane.encoder import image_number, soft_keys
+from gemma_ane.encoder import media_number, soft_keys
 from gemma_ane.prompt_cache import PromptCacheError, load, save
 
 BUNDLE = "0123456789abcdef0123456789abcdef"
@@ -350,7 +350,7 @@ def test_a_file_maps_its_keys_to_this_process_pictures(tmp_path, fresh_process, 
     b_keys = soft_keys(b, 3)
     path = tmp_path / "b.npz"
     save(path, Engine([2, *b_keys, 9]), 5, BUNDLE)
-    assert meta_of(path)["images"] == {str(image_number(b)): b.hex()}
+    assert meta_of(path)["images"] == {str(media_number(b)): b.hex()}
     monkeypatch.setattr(encoder, "_numbers", {})  # another process, which meets b first
     monkeypatch.setattr(encoder, "_identities", {})
     engine = Engine()

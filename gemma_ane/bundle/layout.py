@@ -44,7 +44,9 @@ VISION_POSITION_TABLE = "vision_position_embeddings.npy"  # (2, budget * k, hidd
 # files a bundle cannot run without (the chunks are found by chunk_paths)
 REQUIRED = (MODEL_CONFIG, EMBED_Q8, EMBED_SCALES, PLE_Q8, PLE_SCALES, HF_TOKENIZER)
 
-ONE_FUNCTION_MODELS = {"assistant": "draft", "vision": "encode"}  # beside the chunks: name -> its function
+# beside the chunks: name -> its function (the audio model's holds one function per bucket of clip length, `encode`
+# the largest: schema.audio_function)
+ONE_FUNCTION_MODELS = {"assistant": "draft", "vision": "encode", "audio": "encode"}
 PACKAGE, COMPILED = ".mlpackage", ".mlmodelc"
 MAX_CHUNKS = 9
 

@@ -1,10 +1,10 @@
 """model_config.json (CONTRACT §2): the one schema that writes it and reads it back.
 
-The file's entries are typed records: the text model's (`TextConfig`), the drafter's (`AssistantConfig`) and the
-vision model's (`VisionConfig`), each built from its spec (`of`) and written by `to_json`. Their `from_json` holds
-the rules, and `check_model_config` runs them on the file as written and as read: the rules `load` applies when it
-reads the file are the rules a conversion must pass before anything is written, so `convert` can never publish a
-bundle that `load` refuses.
+The file's entries are typed records: the text model's (`TextConfig`), the drafter's (`AssistantConfig`), the
+vision model's (`VisionConfig`) and the audio model's (`AudioConfig`), each built from its spec (`of`) and written
+by `to_json`. Their `from_json` holds the rules, and `check_model_config` runs them on the file as written and as
+read: the rules `load` applies when it reads the file are the rules a conversion must pass before anything is
+written, so `convert` can never publish a bundle that `load` refuses.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..audio import MAX_SOFT_TOKENS, MEL_BINS, SAMPLE_RATE
 from ..files import FileFormatError, read_json
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import FULL, MAX_DRAFT_TOKENS, SLIDING
 from .errors import BundleError
 from .layout import MODEL_CONFIG, VISION_POSITION_TABLE
 
-ASSISTANT, VISION = "assistant", "vision"  # the one-function models' entries
+ASSISTANT, VISION, AUDIO = "assistant", "vision", "audio"  # the one-function models' entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +193,42 @@ class VisionConfig:
         return cls(**_check_entry(where, config, VISION, VISION_FIELDS))
 
 
-ENTRIES = {ASSISTANT: AssistantConfig, VISION: VisionConfig}  # the one-function models' entries by name
+AUDIO_TOKEN_IDS = ("boa_token_id", "audio_token_id", "eoa_token_id")
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """`audio`: what the host needs to turn a clip into the audio model's inputs: the buckets (mel frames per clip,
+    ascending; each one function of the package, `audio_function`), the features' shape and rate, and the
+    begin/placeholder/end token ids. Every field is required."""
+
+    buckets: list[int]
+    mel_bins: int
+    sample_rate: int
+    boa_token_id: int
+    audio_token_id: int
+    eoa_token_id: int
+
+    @classmethod
+    def of(cls, buckets, token_ids) -> AudioConfig:
+        return cls(sorted(buckets), MEL_BINS, SAMPLE_RATE, *token_ids)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, config: dict, where: str) -> AudioConfig:
+        """config["audio"] after AUDIO_FIELDS' rules (which read the text fields of `config` too)."""
+        return cls(**_check_entry(where, config, AUDIO, AUDIO_FIELDS))
+
+
+def audio_function(frames: int, buckets) -> str:
+    """The audio model's function for the bucket of `frames` mel frames: `encode` for the largest (the one every
+    clip the bundle takes fits), `encode_{frames}` for the shorter ones."""
+    return "encode" if frames == max(buckets) else f"encode_{frames}"
+
+
+ENTRIES = {ASSISTANT: AssistantConfig, VISION: VisionConfig, AUDIO: AudioConfig}  # the one-function models' entries
 
 
 def model_config(text: TextConfig, **entries) -> dict:
@@ -291,6 +327,37 @@ VISION_FIELDS = {
     **{
         name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
         for name in VISION_TOKEN_IDS
+    },
+}
+
+
+# the processor's cap of MAX_SOFT_TOKENS soft tokens (30 s), rounded up to whole attention blocks of up to 24 rows
+MAX_BUCKET_FRAMES = 4 * 24 * -(-MAX_SOFT_TOKENS // 24)  # 3072; E2B's 30 s bucket is 3024
+
+
+def _buckets(v) -> bool:
+    """Ascending mel-frame counts, each a multiple of 4 (the two stride-2 convolutions keep frames / 4 rows), none
+    past MAX_BUCKET_FRAMES."""
+    return (
+        isinstance(v, list)
+        and len(v) > 0
+        and all(_positive(f) and f % 4 == 0 for f in v)
+        and v == sorted(set(v))
+        and v[-1] <= MAX_BUCKET_FRAMES
+    )
+
+
+# `audio`, as ASSISTANT_FIELDS
+AUDIO_FIELDS = {
+    "buckets": (
+        f"ascending positive multiples of 4 mel frames, at most {MAX_BUCKET_FRAMES}",
+        lambda v, e, c: _buckets(v),
+    ),
+    "mel_bins": (f"{MEL_BINS}", lambda v, e, c: _integer(v) and v == MEL_BINS),
+    "sample_rate": (f"{SAMPLE_RATE}", lambda v, e, c: _integer(v) and v == SAMPLE_RATE),
+    **{
+        name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
+        for name in AUDIO_TOKEN_IDS
     },
 }
 

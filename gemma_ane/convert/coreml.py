@@ -98,11 +98,11 @@ def _palettize_pass(options: ConvertOptions, cache: dict, skipped: set, kept: se
     return PalettizeLinearWeights()
 
 
-def _tensor_types(io: dict):
+def _tensor_types(io: dict, float_type=np.float16):
     import coremltools as ct
 
     return [
-        ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else np.float16)
+        ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == "int32" else float_type)
         for n, t in io.items()
     ]
 
@@ -166,10 +166,13 @@ def _lean_fp16_overflow():
         FP16ComputePrecision.fp16_overflow = original
 
 
-def trace_function(model, chunk, function: str, timer):
-    """Trace one function of one chunk into an fp16 MIL program (states, CONTRACT §3 I/O names)."""
+def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
+    """Trace one function of one chunk into an fp16 MIL program (states, CONTRACT §3 I/O names); precision="fp32"
+    makes an fp32 one (float inputs and outputs too), the reference a test measures fp16's error against."""
     import coremltools as ct
     import torch
+
+    io_float = np.float16 if precision == "fp16" else np.float32
 
     _register_int_fix()
     model.use_function(function)
@@ -187,14 +190,14 @@ def trace_function(model, chunk, function: str, timer):
     with timer("convert"), quiet_coremltools(), _lean_fp16_overflow():
         return ct.convert(
             traced,
-            inputs=_tensor_types(io["inputs"]),
+            inputs=_tensor_types(io["inputs"], io_float),
             outputs=[
-                ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else np.float16)
+                ct.TensorType(name=n, dtype=np.int32 if t.dtype == "int32" else io_float)
                 for n, t in io["outputs"].items()
             ],
             states=states or None,
             minimum_deployment_target=ct.target.iOS18,
-            compute_precision=ct.precision.FLOAT16,
+            compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
             convert_to="milinternal",
         )
 
@@ -260,14 +263,24 @@ def save_one_function(prog, function: str, name: str, options: ConvertOptions, o
     """A traced one-function program (the drafter's `draft`, the vision model's `encode`), palettized and saved as
     OUT/NAME.mlpackage with its function so named (merged alone: a plain save would call it `main`), or compiled
     to OUT/NAME.mlmodelc. Returns the path written."""
+    return save_functions([(function, prog)], function, name, options, out, timer, compile_)
+
+
+def save_functions(progs, default: str, name: str, options: ConvertOptions, out: Path, timer, compile_) -> Path:
+    """Traced stateless programs, (function, program) pairs taken one at a time (the audio model's buckets: an
+    iterator that traces each when asked holds one in memory), palettized with one LUT cache (their weights are the
+    same: equal LUTs, stored once by the merge) and saved as one package OUT/NAME.mlpackage whose default function
+    is `default`, or compiled to OUT/NAME.mlmodelc. Returns the path written."""
     work = out / WORK
     work.mkdir(exist_ok=True)
-    path, skipped, kept = layout.package_path(work, f"{name}.{function}"), set(), set()
-    finish_function(prog, options, {}, timer, skipped, path, kept)
+    paths, skipped, kept, luts = {}, set(), set(), {}
+    for function, prog in progs:
+        paths[function] = layout.package_path(work, f"{name}.{function}")
+        finish_function(prog, options, luts, timer, skipped, paths[function], kept)
     note_fp16(name, options, skipped, kept)
     final = layout.package_path(out, name)
     with timer("merge"), quiet_coremltools(), temp_files_in(work):
-        merge_functions({function: path}, final, default=function)
+        merge_functions(paths, final, default=default)
     shutil.rmtree(work)
     if not compile_:
         return final

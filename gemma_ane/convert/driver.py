@@ -1,11 +1,12 @@
 """`gemma-ane convert`: a Hugging Face Gemma 4 checkpoint -> the stateful 3-chunk Core ML bundle.
 
 The driver runs the components it finds: the text model always (text.py: every chunk, then the host's tables),
-the drafter when asked for (`--assistant`, assistant.py) and the vision model when the checkpoint has a tower and
-the options want it (vision.py). Each component is checked before anything is written (a bad pairing, budget or
-config costs nothing) and states its model_config.json entry, which bundle.schema checks with the rules `load`
-applies; then each converts with the Core ML toolkit (coreml.py). Everything is built in a temporary sibling
-directory and renamed into place at the end, so a failed run leaves no OUT.
+the drafter when asked for (`--assistant`, assistant.py), and the vision and audio models when the checkpoint has
+their towers and the options want them (vision.py, audio.py). Each component is checked before anything is
+written (a bad pairing, budget or config costs nothing) and states its model_config.json entry, which
+bundle.schema checks with the rules `load` applies; then each converts with the Core ML toolkit (coreml.py).
+Everything is built in a temporary sibling directory and renamed into place at the end, so a failed run leaves no
+OUT.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from ..checkpoint import Checkpoint
 from ..files import FileFormatError, building, is_within
 from ..spec import ChunkPlan, ConfigError
 from .assistant import AssistantComponent
+from .audio import AudioComponent
 from .options import ConvertError, ConvertOptions, StageTimer
 from .text import convert_chunk, write_sidecars
 from .vision import VisionComponent
 
-ASSISTANT, VISION = schema.ASSISTANT, schema.VISION
+ASSISTANT, VISION, AUDIO = schema.ASSISTANT, schema.VISION, schema.AUDIO
 
 
 def resolve_source(src: str) -> Path:
@@ -72,7 +74,12 @@ def convert(
         if is_within(out, root) or is_within(root, out):  # replacing OUT would delete or litter the checkpoint
             raise ConvertError(f"{out}: OUT must not be, hold or lie inside the checkpoint {root}; choose another OUT")
         # before anything is written: a bad pairing, budget or model config costs nothing
-        components = [c for c in (AssistantComponent.find(options, plan), VisionComponent.find(options, root)) if c]
+        found = (
+            AssistantComponent.find(options, plan),
+            VisionComponent.find(options, root),
+            AudioComponent.find(options, root),
+        )
+        components = [c for c in found if c]
         name = ckpt.spec.source.get("_name_or_path") or (src if not Path(src).exists() else root.name)
         config = model_config(root, plan, options, name, components)
         with building(out) as tmp:
@@ -196,11 +203,19 @@ def model_card(name: str, src: Path, options: ConvertOptions, plan: ChunkPlan, s
         drafter += f"\n- image input: the vision tower as `vision`, {options.image_tokens} soft tokens per image, " + (
             "fp16 weights" if bits == 16 else f"{bits}-bit weights"
         )
+    if AUDIO in sizes:
+        bits = options.audio_options.bits
+        chunks += f"\n| `audio` | audio tower | encode per clip length | {sizes[AUDIO] / 1e6:.1f} MB |"
+        drafter += "\n- audio input: the audio tower as `audio`, buckets of up to " + (
+            ", ".join(f"{s:g}" for s in sorted(options.audio_seconds))
+            + " s, "
+            + ("fp16 weights" if bits == 16 else f"{bits}-bit weights")
+        )
     return f"""---
 license: gemma
 base_model: {name}
 library_name: coreml
-pipeline_tag: {"image-text-to-text" if VISION in sizes else "text-generation"}
+pipeline_tag: {"any-to-any" if AUDIO in sizes else "image-text-to-text" if VISION in sizes else "text-generation"}
 tags:
 - coreml
 - apple-neural-engine

@@ -9,10 +9,16 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..audio import MAX_SECONDS
 from ..errors import ConversionError
 from ..files import stop_point
 from ..images import SOFT_TOKEN_BUDGETS
 from ..spec import MAX_DRAFT_TOKENS
+
+# The audio model's buckets, in seconds of audio: a clip runs in the shortest that holds it, and the encoder's cost
+# grows with the bucket's length, so each bucket about doubles the last (a clip pays at most ~2x its own length;
+# 2.5 s holds a short question) up to 30 s, the feature extractor's and the processor's cap (750 soft tokens).
+AUDIO_BUCKET_SECONDS = (2.5, 5.0, 10.0, 20.0, MAX_SECONDS)
 
 
 class ConvertError(ConversionError):
@@ -51,6 +57,11 @@ class ConvertOptions:
     # `keep` pattern (a regular expression, searched) stay fp16
     quant: str = "lut"
     keep: tuple[str, ...] = ()
+    # the audio tower (when the checkpoint has one) as audio.mlpackage, one function per bucket of clip length (the
+    # longest the clips it takes), its weights at audio_bits
+    audio: bool = True
+    audio_bits: int = 8
+    audio_seconds: tuple[float, ...] = AUDIO_BUCKET_SECONDS
 
     def check(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -85,6 +96,13 @@ class ConvertOptions:
             raise ConvertError(
                 f"--vision-bits {self.vision_bits}: --quant block stores int4 or int8; choose 4, 8 or 16"
             )
+        if self.audio_bits not in (4, 6, 8, 16):
+            raise ConvertError(f"--audio-bits {self.audio_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+        seconds = self.audio_seconds
+        if not seconds or any(isinstance(s, bool) or not isinstance(s, (int, float)) for s in seconds):
+            raise ConvertError(f"audio_seconds={seconds!r}: expected a non-empty list of durations in seconds")
+        if not all(0 < s <= MAX_SECONDS for s in seconds):
+            raise ConvertError(f"audio_seconds={list(seconds)}: each must be in (0, {MAX_SECONDS:g}] seconds")
 
     def kept(self, name: str) -> bool:
         """Whether the weight so named stays fp16: a --keep pattern found in its name as traced (the checkpoint's
@@ -93,10 +111,11 @@ class ConvertOptions:
         return any(re.search(p, n) for p in self.keep for n in (name, saved_name(name)))
 
     def record(self) -> dict:
-        """The options as the manifest states them. The quantization fields are left out at their defaults, so a
-        bundle converted with the defaults stays byte-identical to one converted before they existed."""
+        """The options as the manifest states them. The quantization and audio fields are left out at their
+        defaults, so a bundle converted with the defaults stays byte-identical to one converted before they
+        existed."""
         record = dataclasses.asdict(self)
-        for name in ("quant", "keep"):
+        for name in ("quant", "keep", "audio", "audio_bits", "audio_seconds"):
             if record[name] == _DEFAULTS[name]:
                 del record[name]
         return record
@@ -106,6 +125,11 @@ class ConvertOptions:
         """These options with the vision model's bits."""
         bits = self.vision_bits or (self.bits if self.bits >= 8 else 8)
         return dataclasses.replace(self, bits=bits)
+
+    @property
+    def audio_options(self) -> ConvertOptions:
+        """These options with the audio model's bits."""
+        return dataclasses.replace(self, bits=self.audio_bits)
 
 
 def saved_name(name: str) -> str:

@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...audio import MEL_BINS
+from ...bundle.schema import audio_function
 from ...errors import ConversionError
+from ...spec import Chunk, Tensor
 from .ops import RMSNorm
 from .vision import BOUNDS, ClippableLinear
 
@@ -136,6 +138,20 @@ def bucket_frames(valid_frames: int, chunk: int = 12) -> int:
     E2B's chunk of 12 is 3024."""
     step = 4 * chunk
     return max(-(-valid_frames // step), 1) * step
+
+
+def encode_io(spec: AudioSpec, buckets) -> Chunk:
+    """The audio package described as a chunk (what coreml.trace_function reads): one stateless function per
+    bucket of F mel frames (schema.audio_function names it), features and mask in, F / 4 rows out."""
+    functions = {
+        audio_function(F_, buckets): {
+            "T": F_,
+            "inputs": {"input_features": Tensor((1, F_, MEL_BINS)), "input_features_mask": Tensor((1, F_))},
+            "outputs": {"audio_embeds": Tensor((1, F_ // 4, spec.text_hidden_size))},
+        }
+        for F_ in sorted(buckets)
+    }
+    return Chunk("audio", (), False, (), (), {}, functions, False, False)
 
 
 # -- the model --------------------------------------------------------------------------------------------------
@@ -349,6 +365,7 @@ class AudioModel(nn.Module):
         super().__init__()
         spec.check_frames(frames)
         self.spec, self.frames = spec, frames
+        self.chunk = encode_io(spec, [frames])
         self.audio_tower = nn.Module()
         self.audio_tower.subsample_conv_projection = SubSampleConvProjection(spec)
         self.audio_tower.layers = nn.ModuleList(ConformerLayer(spec) for _ in range(spec.num_layers))
@@ -359,6 +376,12 @@ class AudioModel(nn.Module):
         )
         self.embed_audio.embedding_projection = nn.Linear(spec.output_proj_dims, spec.text_hidden_size, bias=False)
         self.register_buffer("mask", block_mask(spec, frames // 4), persistent=False)
+
+    def use_function(self, function: str) -> None:
+        """coreml.trace_function asks for the function it traces by name: this model's chunk has one, its bucket's
+        (the package names it after the other buckets are known: convert/audio.py)."""
+        if function not in self.chunk.functions:
+            raise AudioTowerError(f"function {function!r}: this model's is {next(iter(self.chunk.functions))!r}")
 
     def forward(self, input_features, input_features_mask):
         tower, embed = self.audio_tower, self.embed_audio
@@ -399,29 +422,3 @@ def load_audio_tower(tensors: Mapping[str, np.ndarray], spec: AudioSpec, frames:
                 m.freeze()
         model.mask.copy_(block_mask(spec, frames // 4))
     return model.eval()
-
-
-# -- conversion -------------------------------------------------------------------------------------------------
-
-
-def convert_audio_tower(model: AudioModel, out, precision: str = "fp16"):
-    """OUT (an .mlpackage): `model` traced and converted by coremltools to an ML Program with one function,
-    inputs input_features (1, F, 128) and input_features_mask (1, F), output audio_embeds (1, F/4, text hidden),
-    computed at `precision` (fp16: Core ML's, the ANE's; fp32 for reference). Returns the path."""
-    import coremltools as ct
-
-    F_, io = model.frames, np.float16 if precision == "fp16" else np.float32
-    example = (torch.zeros(1, F_, MEL_BINS), torch.ones(1, F_))
-    with torch.no_grad():
-        traced = torch.jit.trace(model, example)
-    mlmodel = ct.convert(
-        traced,
-        inputs=[ct.TensorType(name=n, shape=e.shape, dtype=io) for n, e in zip(model.input_names, example)],
-        outputs=[ct.TensorType(name="audio_embeds", dtype=io)],
-        convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
-        skip_model_load=True,
-    )
-    mlmodel.save(str(out))
-    return out
