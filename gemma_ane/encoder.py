@@ -33,7 +33,7 @@ import numpy as np
 from . import audio
 from .audio import AudioError, input_audio_bytes, load_audio
 from .backend import open_one_function, pick_backend
-from .bundle import BundleError, load_npy
+from .bundle import BundleError, layout, load_npy
 from .bundle.schema import audio_function
 from .engine import ContextOverflow
 from .host import MASK_BLOCKED
@@ -343,7 +343,7 @@ def open_audio_encoder(root: str | Path, backend: str, precision: str, compute_u
         if shape is None or list(shape) != [1, frames, entry["mel_bins"]]:
             raise BundleError(
                 f"{root}: the audio model has no function {f!r} taking (1, {frames}, {entry['mel_bins']}) features "
-                f"(model_config.json's audio.buckets states a bucket of {frames} frames)"
+                f"({layout.MODEL_CONFIG}'s audio.buckets states a bucket of {frames} frames)"
             )
     return AudioEncoder(packages, entry)
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gemma_ane.bundle import BundleError
-from gemma_ane.bundle.schema import AUDIO_FIELDS, audio_entry, audio_function, check_model_config
+from gemma_ane.bundle.schema import AUDIO_FIELDS, AudioConfig, audio_function, check_model_config
 from gemma_ane.chat import ChatTemplate
 from gemma_ane.convert import ConvertOptions
 from gemma_ane.convert.audio import AudioComponent, buckets, token_ids
@@ -35,7 +35,7 @@ def config_with(entry: dict) -> dict:
 
 
 def test_the_audio_entry_is_checked_on_write_and_read():
-    good = audio_entry([240, 144], (123, 124, 125))
+    good = AudioConfig.of([240, 144], (123, 124, 125)).to_json()
     assert good["buckets"] == [144, 240]
     check_model_config(config_with(good), "model_config.json")
     bad = {
@@ -85,7 +85,7 @@ def test_bad_audio_options_are_refused(options, needle):
 def test_the_component_is_found_only_for_a_tower_that_runs(tiny_audio, tiny_e2b, capsys):
     found = AudioComponent.find(ConvertOptions(), tiny_audio)
     assert found is not None and found.token_ids == tuple(TINY_AUDIO_TOKENS)
-    assert found.config_entry()["buckets"] == found.buckets == [288, 528, 1008, 2016, 3024]
+    assert found.config_entry().buckets == found.buckets == [288, 528, 1008, 2016, 3024]
     assert set(found.manifest_entry()["functions"]) == {
         "encode_288",
         "encode_528",

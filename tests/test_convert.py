@@ -947,7 +947,8 @@ def test_unwritable_out(capsys, tiny_e2b, tmp_path):
     blocker.write_text("not a directory")
     out = blocker / "bundle"
     rc, stdout, err = _convert_cli(capsys, tiny_e2b, out)
-    assert rc == 2 and stdout == ""
+    # stdout may only carry notes (e2b-mini's stand-in audio tower is skipped with one): no progress, no result
+    assert rc == 2 and all(line.startswith("note: ") for line in stdout.splitlines())
     assert_one_line_error(err, str(out))
     assert blocker.read_text() == "not a directory"
     assert _partials(tmp_path, "somefile") == [] and sorted(os.listdir(tmp_path)) == ["somefile"]
