@@ -837,7 +837,7 @@ def test_cli_generate_streams_text(model, bundle, cli_model, monkeypatch):
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
     assert main(argv) == 0
-    assert cli_model == [(str(bundle), {"backend": "mil"})]
+    assert cli_model == [(str(bundle), {"backend": "mil", "max_image_pixels": 40_000_000})]
     assert out.getvalue() == expected + "\n"
     assert len([c for c in out.chunks if c]) > 2, "text arrives token by token, not at the end"
 
