@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import grammar, prompt_cache
+from .audio import AudioError
 from .backend import open_engine, pick_backend
 from .bundle import BundleError, check_bundle, layout
 from .chat import (
@@ -301,8 +302,11 @@ class Model:
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
         marks = self.turn_ends(conversation, ids) if conversation else []
         sources = media_sources(conversation)
-        if sources and not caps.vision:  # refused here, before a server queues it, not once it runs
-            raise ImageError(f"{sources[0][1]}: this bundle has no vision model (converted without one)")
+        for kind, where, _ in sources:  # refused here, before a server queues it, not once it runs
+            if kind == "image" and not caps.vision:
+                raise ImageError(f"{where}: this bundle has no vision model (converted without one)")
+            if kind == "audio" and self.audio is None:
+                raise AudioError(f"{where}: this bundle has no audio model (converted without one)")
         return Request(ids, marks, sources, params, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
 
     def stream_generate(

@@ -138,7 +138,7 @@ def test_the_neural_engine_audit_covers_the_audio_model(audio_bundle):
     from gemma_ane.audit import audit_bundle
 
     report = audit_bundle(audio_bundle)
-    entry = next(c for c in report["chunks"] if c["name"] == "audio")
+    entry = next(c for c in report["models"] if c["name"] == "audio")
     assert set(entry["functions"]) == {"encode_144", "encode"}
     # what it finds today: the chunked attention's logits end in its 24-key context (48 bytes in fp16, under the
     # 64-byte rule), E2B's shape as well; the bundle's verdict carries it
