@@ -1,0 +1,105 @@
+"""`gemma-ane`: a thin shell over the Python API. Every failure the user can cause is one line
+on stderr and exit status 2 (`check` and `inspect --ane` findings: 1; an unverifiable bundle: 3;
+a signal: 128+N; a closed pipe ends quietly); nothing here computes anything itself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import warnings
+from contextlib import contextmanager
+
+from .. import files
+from ..errors import GemmaAneError
+from . import build, proof, run
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; we keep errors to one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for commands in (build, run):
+        commands.add_commands(sub)
+    from ..server import app  # its web stack is imported only when `serve` runs
+
+    app.add_parser(sub)
+    proof.add_commands(sub)
+    return p
+
+
+# modules behind an extra, and the extra that brings them
+_OPTIONAL = {
+    "torch": "convert",
+    "safetensors": "convert",
+    "transformers": "dev",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "sklearn": "dev",
+}
+
+
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop(signum, frame):
+    for s in STOPPING:  # a second signal must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    files.stop(signum, frame)
+
+
+@contextmanager
+def _stoppable():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    saved = {s: signal.signal(s, _stop) for s in STOPPING}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # warnings (a function the device refuses, a bundle's RoPE tables) as one line, not a source dump
+    warnings.formatwarning = lambda message, *_, **__: f"gemma-ane {args.command}: warning: {message}\n"
+    try:
+        with _stoppable():
+            try:
+                rc = args.fn(args) or 0
+            except Exception:
+                files.stop_point()  # a failure that follows a swallowed signal is the signal's doing
+                raise
+            sys.stdout.flush()  # a reader that left shows here, not in the flush at exit
+        return rc
+    except BrokenPipeError:
+        # `gemma-ane plan | head`: the reader has what it wanted; end quietly as Unix tools do, and
+        # point stdout at devnull so the interpreter's last flush does not complain either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except (KeyboardInterrupt, files.Stopped) as e:
+        signum = e.args[0] if isinstance(e, files.Stopped) else signal.SIGINT
+        print(f"gemma-ane {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    except (GemmaAneError, ValueError, OSError) as e:  # ValueError, OSError: numpy's, the file system's
+        print(f"gemma-ane {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code if isinstance(e, GemmaAneError) else 2
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in _OPTIONAL:
+            raise
+        print(
+            f"gemma-ane {args.command}: error: {e.name} is not installed "
+            f"(pip install 'gemma-ane[{_OPTIONAL[e.name.split('.')[0]]}]')",
+            file=sys.stderr,
+        )
+        return 2
