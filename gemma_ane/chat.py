@@ -478,9 +478,14 @@ class Detokenizer:
         return self._release(final=False)
 
     def flush(self) -> str:
-        """The text still held; a character cut short (the generation ended inside it) is dropped, not
-        emitted as U+FFFD."""
-        return self._release(final=True).rstrip("\ufffd")
+        """The text still held. The first bytes of a character the generation ended inside (at most 3, after text
+        that decodes whole) are dropped, not emitted as U+FFFD; bytes that were never a character stay U+FFFD."""
+        if self._decode(self.tokens[self.prefix :]).endswith("\ufffd"):
+            for k in range(1, min(3, len(self.tokens) - self.read) + 1):
+                if not self._decode(self.tokens[self.prefix : len(self.tokens) - k]).endswith("\ufffd"):
+                    del self.tokens[-k:]
+                    break
+        return self._release(final=True)
 
     def _release(self, final: bool) -> str:
         before = self._decode(self.tokens[self.prefix : self.read])

@@ -24,6 +24,13 @@ class Vocab:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self._bytes = TokenBytes(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._silent: dict[int, bool] = {}
+
+    def silent(self, token: int) -> bool:
+        """Whether the token has no text of its own (a control token): nothing of it is ever held back."""
+        if token not in self._silent:
+            self._silent[token] = self.tokenizer.decode([token], skip_special_tokens=True) == ""
+        return self._silent[token]
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
@@ -93,11 +100,12 @@ class Render:
 
     def _released(self, c: _Choice, ev) -> list:
         """The token events whose logprobs go out with `ev`'s output: none until it releases text, reasoning or
-        a call, then every one held since (a turn's end token holds none)."""
+        a call, then every one held since; a token without text of its own (a control token) with nothing held
+        before it goes out at once, and a turn's end token never."""
         c.tokens += ev.token is not None
         if ev.token is not None and ev.token not in self.vocab.stop_ids:
             c.held.append(ev)
-        if not (ev.text or ev.reasoning or ev.tool_calls):
+        if not (ev.text or ev.reasoning or ev.tool_calls or c.held == [ev] and self.vocab.silent(ev.token)):
             return []
         out, c.held = c.held, []
         return out
@@ -209,7 +217,8 @@ class Render:
         index, ev = item
         c = self.choices[index]
         out = []
-        lp = self._logprobs(c, self._released(c, ev))
+        released = self._released(c, ev)
+        lp = self._logprobs(c, released) if released else None
         if self.chat:
             delta = {}
             if ev.reasoning:
@@ -217,9 +226,10 @@ class Render:
             if ev.text:
                 delta["content"] = ev.text
             deltas = ([delta] if delta else []) + [d for call in ev.tool_calls for d in self._call_deltas(c, call)]
-            for i, d in enumerate(deltas):  # the tokens' logprobs go with the first delta they released
+            # the tokens' logprobs go with the first delta they released (a control token's: with an empty one)
+            for i, d in enumerate(deltas or ([{}] if lp else [])):
                 out.append(self._chunk(c, {"delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}))
-        elif ev.text:
+        elif ev.text or lp:
             out.append(self._chunk(c, {"text": ev.text, "logprobs": lp, "finish_reason": None}))
         if ev.finish_reason:
             self._ended(ev)
