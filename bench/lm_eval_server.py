@@ -4,12 +4,12 @@
     python bench/lm_eval_server.py BUNDLE [--limit 8] [--backend auto] [--record]
     python bench/lm_eval_server.py --quick      # converts a tiny e2b-mini bundle (MIL backend) if none is given
 
-Needs lm-eval (`pip install lm-eval`; not a dependency of the package). Offline: both tasks are custom YAML with
-a local JSONL dataset written into a temporary directory (the `json` builder of `datasets`, no download), the
-tokenizer lm-eval needs for context lengths is the bundle's own (hf_model/), and HF_HUB_OFFLINE and
-HF_DATASETS_OFFLINE are set. The server listens on loopback only. Prints lm-eval's table per task; with
---record appends it to BENCHMARKS.md. A random tiny bundle scores at chance: the run checks the plumbing (every
-request answered, the figures in range), not the model.
+Needs lm-eval with its API models (`pip install 'lm-eval[api]'`; not a dependency of the package). Offline: both
+tasks are custom YAML with a local JSONL dataset written into a temporary directory (the `json` builder of
+`datasets`, no download), the tokenizer lm-eval needs for context lengths is the bundle's own (hf_model/), and
+HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are set. The server listens on loopback only. Prints lm-eval's figures per
+task; with --record appends them to BENCHMARKS.md. A random tiny bundle scores at chance: the run checks the
+plumbing (every request answered, none refused), not the model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,7 +109,8 @@ def evaluate(url: str, bundle: Path, tasks: Path, limit: int) -> list[tuple[str,
             apply_chat_template=chat,
             log_samples=False,
         )
-        metrics = {k: v for k, v in results["results"][task].items() if k != "alias"}
+        # "acc,none", "acc_stderr,none": a metric under its filter; the other keys are the task's name and size
+        metrics = {k.split(",")[0]: v for k, v in results["results"][task].items() if "," in k}
         out.append((task, model, metrics, results["n-samples"][task]["effective"]))
     return out
 
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        p.error("needs lm-evaluation-harness: pip install lm-eval")
+        p.error("needs lm-evaluation-harness: pip install 'lm-eval[api]'")
     # nothing leaves this machine: lm-eval's datasets and tokenizer are local files
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
@@ -141,7 +143,9 @@ def main(argv=None) -> int:
             proc = None
             try:
                 proc, url = start_server(bundle, backend, 4, log)
+                t0 = time.perf_counter()
                 runs = evaluate(url, bundle, tasks, a.limit)
+                wall = time.perf_counter() - t0
             except Exception as e:
                 print((tmp / "server.log").read_text(errors="replace")[-3000:], file=sys.stderr)
                 print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
     name = "e2b-mini (quick)" if a.quick and not a.bundle else bundle.name
     lines = [
         f"bundle `{name}`, backend {backend}: lm-evaluation-harness {version()} against `gemma-ane serve` on "
-        f"loopback, local tasks, limit {a.limit}",
+        f"loopback, local tasks, limit {a.limit}, {wall:.0f} s",
         "",
         "| task | lm-eval model | samples | metrics |",
         "|---|---|---|---|",

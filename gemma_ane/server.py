@@ -14,6 +14,10 @@ file's size and its header's pixel count (Pillow, the `vision` extra) before the
 --allow-remote-images it also fetches http(s) image URLs, on public addresses only unless --allow-fetch-from names
 others (gemma_ane.fetch); without it, it fetches nothing for a client.
 
+A browser page cannot use the server unless --allow-origin names its origin (Origins: CORS, every other Origin
+refused with 403), and a JSON endpoint refuses a body sent as anything but JSON (415): no page the user visits can
+make the model generate.
+
 Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
 register `serve` and the runtime stays usable without them.
 """

@@ -314,7 +314,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
 class Request:
     """A validated generation request: what to pass to `stream_generate` and how to answer. `n` choices, each
     run from its own `choices` entry (prepare fills them; the first is `kwargs`); `echo`: a completion's text
-    starts with its prompt, whose tokens (`prompt_ids`, less the <bos> the runtime adds) prepare keeps."""
+    starts with its prompt (`prompt_text`), whose ids prepare keeps (`prompt_ids`, <bos> first)."""
 
     def __init__(
         self,
