@@ -21,7 +21,7 @@ model = gemma_ane.load(sys.argv[1], backend="mil")
 result = model.generate("hello", max_tokens=3, temperature=0)
 assert result.finish_reason == "length" and len(result.tokens) == 3
 banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
-          or m.startswith("gemma_ane.convert") or m in ("gemma_ane.verify", "gemma_ane.tiny")]
+          or m.startswith("gemma_ane.convert") or m in ("gemma_ane.oracle.verify", "gemma_ane.oracle.tiny")]
 assert not banned, banned
 print("OK")
 """
@@ -137,8 +137,8 @@ def test_executor_stands_on_the_saved_program_alone():
     for module in ("mil", "mil_ops", "package"):
         ours = {m for m in imports(module) if m.startswith("gemma_ane.")}
         allowed = {
-            "gemma_ane.package",
-            "gemma_ane.mil_ops",
+            "gemma_ane.mil.package",
+            "gemma_ane.mil.ops",
             "gemma_ane.files",
             "gemma_ane.errors",
         }  # errors: none of ours
