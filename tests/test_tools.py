@@ -536,17 +536,23 @@ def test_without_tools_any_name_is_a_call(tok):
 @pytest.mark.parametrize(
     "text, why",
     [
-        ('Hi <|tool_call>call:get_weather{city:<|"|>Par', "never closed"),
         ("Hi " + call_text("get_time", {"tz": "UTC"}), "unknown function 'get_time'"),
         ("Hi <|tool_call>call:get_weather{city:Paris}<tool_call|>", "expected a value"),
         ('Hi <|tool_call>call:get_weather{city:<|"|>Paris<|"|>]<tool_call|>', "expected ',' or '}'"),
     ],
-    ids=["never-closed", "unknown-function", "bare-string", "unbalanced"],
+    ids=["unknown-function", "bare-string", "unbalanced"],
 )
 def test_a_malformed_call_is_text_with_a_warning(tok, text, why):
     with pytest.warns(UserWarning, match=f"malformed tool call .*{re.escape(why)}"):
         parser, _, (content, _, calls) = generate(tok, text + " Bye")
     assert content == parser.text == text + " Bye" and calls == parser.tool_calls == []
+
+
+def test_a_call_never_closed_is_dropped_with_a_warning(tok):
+    # the generation ended inside it (max_tokens): neither a call nor content, its markup never an answer's text
+    with pytest.warns(UserWarning, match="never closed"):
+        parser, _, (content, _, calls) = generate(tok, 'Hi <|tool_call>call:get_weather{city:<|"|>Par')
+    assert content == parser.text == "Hi " and calls == parser.tool_calls == []
 
 
 def test_stop_strings_still_apply(tok):

@@ -478,6 +478,13 @@ class Detokenizer:
         return self._release(final=False)
 
     def flush(self) -> str:
+        """The text still held. The first bytes of a character the generation ended inside (at most 3, after text
+        that decodes whole) are dropped, not emitted as U+FFFD; bytes that were never a character stay U+FFFD."""
+        if self._decode(self.tokens[self.prefix :]).endswith("\ufffd"):
+            for k in range(1, min(3, len(self.tokens) - self.read) + 1):
+                if not self._decode(self.tokens[self.prefix : len(self.tokens) - k]).endswith("\ufffd"):
+                    del self.tokens[-k:]
+                    break
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
@@ -538,7 +545,7 @@ class OutputParser:
     """Splits generated tokens into answer, reasoning (`<|channel>thought\\n ... <channel|>`) and tool calls
     (`<|tool_call>call:NAME{...}<tool_call|>`), and applies stop strings to the answer, holding back any tail
     that could still become one. A call is released once closed: as a ToolCall if it parses and names one of
-    `tools` (any name when no tools are given), else as text, with a warning."""
+    `tools` (any name when no tools are given), else as text, with a warning; one never closed is dropped."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
@@ -589,15 +596,16 @@ class OutputParser:
         # decoded whole and with special tokens: <|"|>, which delimits strings, is one
         text = self.tokenizer.decode(self.call, skip_special_tokens=False)
         self.call = None
+        if not closed:  # cut short (max_tokens): no call, and its markup is no answer text either
+            warnings.warn("a tool call never closed (the generation ended inside it) is dropped", stacklevel=3)
+            return Delta()
         try:
-            if not closed:
-                raise ValueError("never closed")
             name, arguments = parse_call(text)
             if self.names is not None and name not in self.names:
                 raise ValueError(f"unknown function {name!r}")
         except ValueError as e:
             warnings.warn(f"a malformed tool call is returned as text: {e}", stacklevel=3)
-            literal = SPECIAL_TOKENS[TOOL_CALL_OPEN] + text + (SPECIAL_TOKENS[TOOL_CALL_CLOSE] if closed else "")
+            literal = SPECIAL_TOKENS[TOOL_CALL_OPEN] + text + SPECIAL_TOKENS[TOOL_CALL_CLOSE]
             return Delta(content=self._release(literal))
         call = ToolCall(call_id(), name, arguments)
         self.tool_calls.append(call)
@@ -636,13 +644,12 @@ class OutputParser:
     def finish(self) -> Delta:
         if self.stopped:
             return Delta()
-        head = self._end_call(closed=False).content if self.call is not None else ""
-        if self.stopped:  # by a stop string in that call's text
-            return Delta(content=head)
+        if self.call is not None:
+            self._end_call(closed=False)
         tail = self.pending + self.content.flush()
         self.pending = ""
         for s in self.stop:
             if s in tail:
                 tail, self.stopped = tail[: tail.find(s)], True
         self.text += tail
-        return Delta(content=head + tail)
+        return Delta(content=tail)

@@ -17,7 +17,8 @@ grammar is asked for. Chosen over the other maintained libraries because:
 
 Whitespace in JSON is bounded as llama.cpp's json_schema_to_grammar bounds it (one space, or one or two
 newlines and up to 20 spaces or tabs): a model that would rather write whitespace than a value cannot
-run to max_tokens. Numbers in tool calls have at most 16 digits (and 16 decimals) for the same reason.
+run to max_tokens. Numbers in tool calls and in JSON mode (json_object) have at most 16 digits (and 16 decimals)
+for the same reason.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ from .tools import MAX_DEPTH, too_deep
 
 WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 
+# any JSON object, as %json {"type": "object"} takes it but for its numbers: at most 16 digits, 16 decimals and a
+# 3-digit exponent, as in tool calls (gemma4.GEMMA_VALUES); whitespace bounded alike (WHITESPACE)
+JSON_OBJECT = r"""answer: j_object
+j_value: j_object | j_array | J_STRING | J_NUMBER | "true" | "false" | "null"
+j_object: "{" WS? "}" | "{" WS? j_pair (WS? "," WS? j_pair)* WS? "}"
+j_pair: J_STRING WS? ":" WS? j_value
+j_array: "[" WS? "]" | "[" WS? j_value (WS? "," WS? j_value)* WS? "]"
+J_STRING: /"([^"\\\x00-\x1f]|\\(["\\\/bfnrt]|u[0-9a-fA-F]{4}))*"/
+J_NUMBER: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/
+WS: / |\n{1,2}[ \t]{0,20}/
+"""
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 THINKING = f"think: <[{CHANNEL_OPEN}]> THINK_TEXT? <[{CHANNEL_CLOSE}]>\nTHINK_TEXT: /(?s:.+)/\n"
 
@@ -96,8 +108,8 @@ def response_grammar(response_format, *, thinking: bool = False) -> str | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
-    if kind == "json_object":
-        schema, strict, param = {"type": "object"}, True, "response_format"
+    if kind == "json_object":  # %json would write numbers of any length: this grammar bounds them
+        return _checked(_start("answer", thinking) + JSON_OBJECT, "response_format")
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):

@@ -480,6 +480,19 @@ class Model:
         spec.add(n, len(out))
         return out
 
+    def prompt_logprobs(self, ids: list[int], top: int = 0, cancelled=None) -> list[tuple[float, list] | None]:
+        """Each token of `ids` scored by the tokens before it: (its logprob, the `top` most likely tokens there
+        with theirs), None for the first, which nothing predicts (echo's logprobs, as a loglikelihood evaluation
+        reads them). Every position's logits come from one feed, so the caches start over; a generation from
+        the same prompt then reuses them."""
+        if not self.capabilities.logits:
+            raise ValueError("this bundle's chunk_3 returns only the argmax token (published layout): no logprobs")
+        _check(cancelled)
+        self.engine.reset()
+        rows = self.engine.feed(ids, logits="all", cancelled=cancelled) if len(ids) > 1 else []
+        scorer = Sampler(SamplingParams(logprobs=top))
+        return [None] + [scorer.logprobs(row, token) for row, token in zip(rows, ids[1:])]
+
     def use_drafts(self, k: int) -> None:
         """Speculative decoding with k drafts a verify call for every generation that does not say otherwise
         (the CLI's and the server's --draft); 0 turns it off. A ValueError when this bundle cannot."""

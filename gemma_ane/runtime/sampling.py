@@ -40,7 +40,8 @@ class Field:
         """A SamplingError naming the field unless `value` is of its kind and within its bounds (not None)."""
         name, integer = self.name, self.kind is int
         kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-        if isinstance(value, bool) or not isinstance(value, kinds) or not np.isfinite(value):
+        # an integer is finite, and past int64 np.isfinite refuses it (TypeError) rather than answering
+        if isinstance(value, bool) or not isinstance(value, kinds) or not (integer or np.isfinite(value)):
             raise SamplingError(f"{name}={value!r}: expected {'an integer' if integer else 'a number'}", param=name)
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             raise SamplingError(f"{name}={value!r}: must be {'>' if self.lo_open else '>='} {self.lo}", param=name)
@@ -56,7 +57,8 @@ FIELDS = (
     Field("repetition_penalty", float, "divide positive, multiply negative logits of tokens seen", 0.0, None, True),
     Field("presence_penalty", float, "subtract this from the logit of every token seen", -2.0, 2.0),
     Field("frequency_penalty", float, "subtract this times its count from the logit of every token seen", -2.0, 2.0),
-    Field("seed", int, "seed of the random stream: the same seed draws the same tokens", 0),
+    # OpenAI's seed is a signed 64-bit integer (clients send -1)
+    Field("seed", int, "seed of the random stream: the same seed draws the same tokens", -(2**63), 2**63 - 1),
     Field("logprobs", int, "report each token's logprob and this many most likely alternatives", 0, 20),
     Field("logit_bias", dict, "add BIAS in [-100, 100] to token ID's logit (-100 bans it); as ID=BIAS, repeatable"),
 )
@@ -287,7 +289,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, history=(), bans=()):
         self.p = params.validate()
-        self.rng = np.random.default_rng(params.seed)
+        # numpy takes non-negative seeds only: a signed one maps to its 64-bit two's complement, one to one
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: dict[int, int] = {}
         self.processors = make_logits_processors(self.p, bans)
         self._penalties = any(q.seen for q in self.processors)

@@ -125,6 +125,8 @@ def _parsed(call, where: str):
     if not isinstance(f.get("arguments"), str):
         return call
     where += ".function.arguments"
+    if not f["arguments"].strip():  # a call without arguments, as some clients store it (vLLM reads it as {})
+        return {**call, "function": {**f, "arguments": {}}}
     try:
         arguments = json.loads(f["arguments"])
     except ValueError as e:

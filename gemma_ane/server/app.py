@@ -14,6 +14,10 @@ file's size and its header's pixel count (Pillow, the `vision` extra) before the
 --allow-remote-images it also fetches http(s) image URLs, on public addresses only unless --allow-fetch-from names
 others (gemma_ane.server.fetch); without it, it fetches nothing for a client.
 
+A browser page cannot use the server unless --allow-origin names its origin (Origins: CORS, every other Origin
+refused with 403), and a JSON endpoint refuses a body sent as anything but JSON (415): no page the user visits can
+make the model generate.
+
 Starlette and uvicorn (the `serve` extra) are imported only when an app is built, so the CLI can
 register `serve` and the runtime stays usable without them.
 """
@@ -28,6 +32,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -35,7 +40,7 @@ from pathlib import Path
 
 from . import fetch
 from .request import TEXT_BODY, APIError, ImageLimits, parse_request, prepare, remote_urls
-from .response import Generation, Render, Vocab
+from .response import Generation, Render, Vocab, send_json
 from .worker import Job, Worker
 
 log = logging.getLogger("gemma_ane.server.app")
@@ -89,6 +94,75 @@ async def _read_json(request, max_body: int, text_body: int) -> dict:
     return body
 
 
+def _check_content_type(request) -> None:
+    """A body sent as anything but JSON is refused (415): a web page can send text/plain or a form to any
+    address without asking (a CORS "simple request"), JSON only after a preflight that Origins answers."""
+    given = request.headers.get("content-type")
+    if given is None:  # no browser sends a body without one; curl and scripts may
+        return
+    media = given.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(
+            415, f"Content-Type {given!r}: expected application/json", param=None, code="unsupported_media_type"
+        )
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")
+
+
+def check_origins(origins) -> tuple[str, ...]:
+    """serve --allow-origin's values: "*" or origins as browsers send them (scheme://host[:port], no path)."""
+    out = tuple(origins)
+    for o in out:
+        if o != "*" and not _ORIGIN.fullmatch(o):
+            raise ValueError(f"--allow-origin {o!r}: expected '*' or an origin such as https://example.com:8443")
+    return out
+
+
+class Origins:
+    """CORS as a local server needs it: a request from a browser page (it carries Origin) is served only if
+    its origin is allowed, with Access-Control-Allow-Origin; any other gets 403, so a page the user visits
+    cannot make the model generate. Preflights (OPTIONS with Access-Control-Request-Method) of allowed
+    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before."""
+
+    METHODS = "GET, POST, OPTIONS"
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        origin = headers.get(b"origin")
+        if origin is None:
+            return await self.app(scope, receive, send)
+        if "*" not in self.allowed and origin not in self.allowed:
+            message = f"Origin {origin!r} is not allowed (serve --allow-origin ORIGIN opens the server to a page)"
+            return await send_json(send, 403, APIError(403, message, code="origin_not_allowed").body())
+        cors = {"Access-Control-Allow-Origin": "*" if "*" in self.allowed else origin, "Vary": "Origin"}
+        if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+            asked = headers.get(b"access-control-request-headers", "authorization, content-type")
+            cors |= {
+                "Access-Control-Allow-Methods": self.METHODS,
+                "Access-Control-Allow-Headers": asked,
+                "Access-Control-Max-Age": "600",
+            }
+            await send({"type": "http.response.start", "status": 204, "headers": _raw(cors)})
+            return await send({"type": "http.response.body", "body": b""})
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": list(message.get("headers", [])) + _raw(cors)}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def _raw(headers: dict) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+
+
 def build_app(
     model,
     *,
@@ -101,28 +175,32 @@ def build_app(
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
     allow_fetch_from=(),
+    allow_origins=(),
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
     `gemma_ane.load` returns; `images`, its image encoder or None). `max_body` defaults to 1 MB, plus room for
     `max_images` base64 images of `max_image_bytes` when the model takes images (in their image_url parts only);
     `remote_images`: fetch http(s) image URLs on public addresses and those `allow_fetch_from` names (off:
-    refused)."""
+    refused); `allow_origins`: the browser origins whose pages may call it (CORS; "*" any), every other Origin
+    refused."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
+    allow_origins = check_origins(allow_origins)
     # the image allowance counts only inside image_url parts; a max_body given is the limit of both
     text_body = TEXT_BODY if max_body is None else max_body
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
-    vocab = Vocab(model.tokenizer)
+    vocab = Vocab(model.tokenizer, getattr(model, "stop_ids", ()))
     started = int(time.time())
 
     def authorize(request) -> None:
@@ -157,6 +235,7 @@ def build_app(
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
+            _check_content_type(request)
             body = await _read_json(request, max_body, text_body)
             # remote images are fetched on a pool of their own, awaited here: a slow one holds no shared thread
             urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
@@ -164,7 +243,8 @@ def build_app(
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
             await run_in_threadpool(prepare, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-            job = Job(rid, req.kwargs, asyncio.get_running_loop())
+            score = (req.prompt_ids, req.logprobs) if req.echo and req.logprobs is not None else None
+            job = Job(rid, req.kwargs, asyncio.get_running_loop(), req.choices, score)
             if not worker.submit(job):
                 raise APIError(
                     429,
@@ -210,6 +290,7 @@ def build_app(
         ],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
+        middleware=[Middleware(Origins, allowed=allow_origins)],
     )
     app.state.worker = worker
     return app
@@ -230,6 +311,7 @@ def serve(
     max_images: int = ImageLimits.max_images,
     remote_images: bool = False,
     allow_fetch_from=(),
+    allow_origins=(),
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -244,6 +326,7 @@ def serve(
         raise ValueError(f"max_queue={max_queue}: must be >= 0")
     # checked before loading
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
+    allow_origins = check_origins(allow_origins)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
@@ -259,6 +342,7 @@ def serve(
         model_name=Path(bundle).resolve().name,
         api_key=api_key,
         max_queue=max_queue,
+        allow_origins=allow_origins,
         **dataclasses.asdict(limits),
     )
     # a stream still open at shutdown is cut after 5 s rather than holding the process
@@ -284,6 +368,7 @@ def _cmd_serve(a) -> int:
         max_images=a.max_images,
         remote_images=a.allow_remote_images,
         allow_fetch_from=a.allow_fetch_from,
+        allow_origins=a.allow_origin,
     )
     return 0
 
@@ -348,6 +433,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="CIDR_OR_HOST",
         help="with --allow-remote-images, also fetch from this address, network or host though it is not public "
         "(loopback, private, link-local); repeatable",
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from this origin (e.g. http://localhost:3000; '*' any) call the server from a browser; "
+        "repeatable (default: none, a request carrying an Origin header is refused)",
     )
     p.set_defaults(fn=_cmd_serve)
 

@@ -271,12 +271,12 @@ def _stop(body: dict) -> list[str] | None:
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int, least: int = 1) -> int:
     for name in names:
         value = _field(body, name, int)
         if value is not None:
-            if value < 1:
-                raise APIError(400, f"{name}={value}: must be >= 1", param=name)
+            if value < least:
+                raise APIError(400, f"{name}={value}: must be >= {least}", param=name)
             return value
     return default
 
@@ -291,19 +291,15 @@ UNSUPPORTED = {
     "chat": {
         "functions": (_ANY, _FUNCTIONS),
         "function_call": (_ANY, _FUNCTIONS),
-        "n": (1, "only n=1 is supported"),
         "modalities": (["text"], "only text output is supported"),
         "audio": (_ANY, "audio output is not supported"),
         "prediction": (_ANY, "predicted outputs are not supported"),
         "web_search_options": (_ANY, "web search is not supported"),
-        "reasoning_effort": (_ANY, "not supported; switch thinking with chat_template_kwargs.enable_thinking"),
         "verbosity": (_ANY, "not supported"),
         "moderation": (_ANY, "moderation is not supported"),
     },
     "completion": {
-        "n": (1, "only n=1 is supported"),
         "best_of": (1, "only best_of=1 is supported"),
-        "echo": (False, "not supported"),
         "suffix": ("", "insertion (suffix) is not supported"),
     },
 }
@@ -317,12 +313,59 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
 
 
 class Request:
-    """A validated generation request: what to pass to `stream_generate` and how to answer."""
+    """A validated generation request: what to pass to `stream_generate` and how to answer. `n` choices, each
+    run from its own `choices` entry (prepare fills them; the first is `kwargs`); `echo`: a completion's text
+    starts with its prompt (`prompt_text`), whose ids prepare keeps (`prompt_ids`, <bos> first)."""
 
-    def __init__(self, kind: str, kwargs: dict, stream: bool, include_usage: bool, logprobs: int | None):
+    def __init__(
+        self,
+        kind: str,
+        kwargs: dict,
+        stream: bool,
+        include_usage: bool,
+        logprobs: int | None,
+        n: int = 1,
+        echo: bool = False,
+    ):
         self.kind, self.kwargs, self.stream = kind, kwargs, stream
         self.include_usage, self.logprobs = include_usage, logprobs
+        self.n, self.echo = n, echo
+        self.choices = [kwargs]
         self.prompt_tokens = 0
+        self.prompt_ids: list[int] = []
+        self.prompt_text = ""  # what echo repeats
+
+
+MAX_N = 16  # choices in one request: each is a whole generation, run one after another
+# reasoning_effort as thinking on or off: Gemma 4 thinks or does not, with no budget between
+EFFORT = {"none": False, "minimal": False, "low": False, "medium": True, "high": True}
+
+
+def _n(body: dict) -> int:
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n={n}: expected 1..{MAX_N}", param="n")
+    return n
+
+
+def _thinking(body: dict) -> bool:
+    """Whether the answer starts with a thought: chat_template_kwargs.enable_thinking, else enable_thinking, else
+    reasoning_effort (EFFORT); off when none is given."""
+    template_kwargs = _field(body, "chat_template_kwargs", dict, {})
+    effort = _field(body, "reasoning_effort", str)
+    if effort is not None and effort not in EFFORT:
+        want = ", ".join(repr(e) for e in EFFORT)
+        raise APIError(400, f"reasoning_effort={effort!r}: expected one of {want}", param="reasoning_effort")
+    default = EFFORT.get(effort, False)
+    return _field(template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, default))
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: the request's for the first, the next ones after it (wrapping within the
+    signed 64-bit range), so a seeded request with n > 1 reproduces every choice; None stays None."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def parse_request(
@@ -341,6 +384,7 @@ def parse_request(
         )
     _refuse_unsupported(body, kind)
     stream = _field(body, "stream", bool, False)
+    n, echo = _n(body), _field(body, "echo", bool, False) if kind == "completion" else False
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
     # the sampling fields as declared (logprobs, whose shape differs by endpoint, below)
@@ -350,10 +394,7 @@ def parse_request(
     kwargs = {"stop": _stop(body)}
     if kind == "chat":
         kwargs["messages"] = _messages(body, model, limits, fetched or {})
-        template_kwargs = _field(body, "chat_template_kwargs", dict, {})
-        kwargs["enable_thinking"] = _field(
-            template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, False)
-        )
+        kwargs["enable_thinking"] = _thinking(body)
         kwargs.update(_tooling(body, model, kwargs["enable_thinking"]))
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int)
@@ -370,7 +411,8 @@ def parse_request(
             raise APIError(400, "prompt: expected a string", param="prompt")
         kwargs.update(prompt=prompt, raw=True)
         logprobs = _field(body, "logprobs", int)
-        kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16)  # the legacy API's default
+        # with echo, max_tokens=0 asks for the prompt alone (its logprobs: what a loglikelihood evaluation reads)
+        kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16, least=0 if echo else 1)  # the API's default
         lp_param = "logprobs"
     sampling["logprobs"] = logprobs
     if getattr(model, "head", "logits") != "logits":  # the published head: chunk_3 returns the argmax alone
@@ -387,7 +429,11 @@ def parse_request(
         raise APIError(400, str(e), param=e.param) from None
     sampling["logit_bias"] = params.logit_bias  # its ids as ints
     kwargs.update(sampling)
-    return Request(kind, kwargs, stream, include_usage, logprobs)
+    if echo and logprobs is not None and not hasattr(model, "prompt_logprobs"):
+        raise APIError(400, "echo: this model cannot report its prompt's logprobs", param="echo")
+    req = Request(kind, kwargs, stream, include_usage, logprobs, n, echo)
+    req.prompt_text = kwargs["prompt"] if echo else ""
+    return req
 
 
 def _tooling(body: dict, model, thinking: bool) -> dict:
@@ -433,6 +479,7 @@ def prepare(model, req: Request) -> None:
         else:
             prepared = build(**kw)
             ids, req.kwargs = prepared.ids, {"request": prepared}
+        req.choices = [req.kwargs] + [_choice(build, kw, i) for i in range(1, req.n)]
     except ChatError as e:
         raise APIError(400, str(e), param=param) from None
     except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
@@ -450,6 +497,14 @@ def prepare(model, req: Request) -> None:
             code="context_length_exceeded",
         )
     req.prompt_tokens = len(ids)
+    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+
+
+def _choice(build, kw: dict, index: int) -> dict:
+    """The arguments of choice `index` > 0: the first's with the seed derived for it, prepared on its own (a
+    prepared request is used once: its grammar's state follows one output)."""
+    kw = {**kw, "seed": choice_seed(kw.get("seed"), index)}
+    return kw if build is None else {"request": build(**kw)}
 
 
 _PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")

@@ -11,17 +11,26 @@ import time
 
 from ..runtime.tokens import TokenBytes
 from .request import APIError, Request, error_of
-from .worker import END, Job
+from .worker import END, Echo, Job
 
 
 class Vocab:
     """Each token's own string and bytes, as OpenAI's logprobs report them. A token that is part of a
-    multi-byte character decodes to U+FFFD on its own, so its bytes come from its piece (tokens.TokenBytes)."""
+    multi-byte character decodes to U+FFFD on its own, so its bytes come from its piece (tokens.TokenBytes).
+    `stop_ids`: the tokens that end a turn; no text is theirs, so no logprobs either."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_ids=()):
         self.tokenizer = tokenizer
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
         self._bytes = TokenBytes(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._silent: dict[int, bool] = {}
+
+    def silent(self, token: int) -> bool:
+        """Whether the token has no text of its own (a control token): nothing of it is ever held back."""
+        if token not in self._silent:
+            self._silent[token] = self.tokenizer.decode([token], skip_special_tokens=True) == ""
+        return self._silent[token]
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
@@ -38,28 +47,47 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+class _Choice:
+    """One choice's state as it renders."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.tokens = 0  # completion tokens
+        self.held: list = []  # token events whose text is not out yet: their logprobs go with it
+        self.offset = 0  # legacy logprobs' text_offset
+        self.calls = 0  # tool calls streamed so far: the next one's index
+        self.done = False
+
+
 class Render:
-    """Turns the runtime's events into OpenAI response objects: whole, or as stream chunks."""
+    """Turns the runtime's events into OpenAI response objects: whole, or as stream chunks. Logprobs cover
+    the emitted text: a token's go out with the text (or reasoning, or call) it released, so a token whose
+    text never comes out (a turn's end, a stop string, a character or call cut short) reports none."""
 
     def __init__(self, req: Request, rid: str, model_name: str, vocab: Vocab):
         self.req, self.id, self.model, self.vocab = req, rid, model_name, vocab
         self.chat = req.kind == "chat"
         self.created = int(time.time())
-        self.completion_tokens = 0
         self.prompt_tokens = req.prompt_tokens  # prepare's; the last event's replaces it (see _ended)
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
-        self.offset = 0  # legacy logprobs' text_offset
-        self.calls = 0  # tool calls streamed so far: the next one's index
+        self.choices = [_Choice(i) for i in range(req.n)]
+        self.echo_scores: list | None = None  # Model.prompt_logprobs's, when echo asked for logprobs
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
 
     def _envelope(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _ended(self, ev) -> None:
-        """Takes the prompt's counts from the generation's last event. Its prompt_tokens is the runtime's, with
-        each image's soft tokens (prepare saw one placeholder an image); a model reporting 0 keeps ours."""
+        """Takes the prompt's counts from a generation's last event. Its prompt_tokens is the runtime's, with
+        each image's soft tokens (prepare saw one placeholder an image); a model reporting 0 keeps ours. The
+        first choice's reuse is the request's: the later ones reuse the prompt it left."""
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = ev.reused_tokens
+        if all(not c.done for c in self.choices):
+            self.cached_tokens = ev.reused_tokens
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
@@ -70,62 +98,97 @@ class Render:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _logprobs(self, events) -> dict | None:
-        """The logprobs object for these events' tokens, in the endpoint's format."""
-        events = [ev for ev in events if ev.token is not None]
-        if self.req.logprobs is None:
-            return None
+    def _released(self, c: _Choice, ev) -> list:
+        """The token events whose logprobs go out with `ev`'s output: none until it releases text, reasoning or
+        a call, then every one held since; a token without text of its own (a control token) with nothing held
+        before it goes out at once, and a turn's end token never."""
+        c.tokens += ev.token is not None
+        if ev.token is not None and ev.token not in self.vocab.stop_ids:
+            c.held.append(ev)
+        if not (ev.text or ev.reasoning or ev.tool_calls or c.held == [ev] and self.vocab.silent(ev.token)):
+            return []
+        out, c.held = c.held, []
+        return out
+
+    def _entries(self, c: _Choice, scored) -> dict:
+        """The logprobs object of `scored` ((token, logprob, top) each), in the endpoint's format; legacy
+        top_logprobs hold the `logprobs` most likely and the chosen token ({} for logprobs=0), as OpenAI's."""
         if self.chat:
 
             def entry(token, lp):
                 text, raw = self.vocab(token)
                 return {"token": text, "logprob": _lp(lp), "bytes": raw}
 
-            return {
-                "content": [
-                    {**entry(ev.token, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in ev.top_logprobs]}
-                    for ev in events
-                ]
-            }
+            content = [{**entry(t, lp), "top_logprobs": [entry(a, x) for a, x in top]} for t, lp, top in scored]
+            return {"content": content}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for ev in events:
-            text = self.vocab(ev.token)[0]
+        for token, lp, top in scored:
+            text = self.vocab(token)[0]
+            alternatives = {self.vocab(a)[0]: _lp(x) for a, x in top}
+            if self.req.logprobs and lp is not None:
+                alternatives.setdefault(text, _lp(lp))
             out["tokens"].append(text)
-            out["token_logprobs"].append(_lp(ev.logprob))
-            out["top_logprobs"].append({self.vocab(t)[0]: _lp(lp) for t, lp in ev.top_logprobs})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            out["token_logprobs"].append(None if lp is None else _lp(lp))
+            out["top_logprobs"].append(alternatives if lp is not None else None)
+            out["text_offset"].append(c.offset)
+            c.offset += len(text)
         return out
 
-    def whole(self, events: list) -> dict:
-        self.completion_tokens = sum(ev.token is not None for ev in events)
-        self._ended(events[-1])  # Generation renders only a generation that finished
-        text = "".join(ev.text for ev in events)
-        finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
-        if self.chat:
-            calls = [call.to_openai() for ev in events for call in ev.tool_calls]
-            message = {"role": "assistant", "content": None if calls and not text else text}
-            if calls:
-                message["tool_calls"] = calls
-            reasoning = "".join(ev.reasoning for ev in events)
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(events), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(events), "finish_reason": finish}
-        return {**self._envelope(False), "choices": [choice], "usage": self.usage()}
+    def _logprobs(self, c: _Choice, events) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        return self._entries(c, [(ev.token, ev.logprob, ev.top_logprobs) for ev in events])
 
-    def _chunk(self, choice: dict) -> dict:
-        out = {**self._envelope(True), "choices": [{"index": 0, **choice}]}
+    def _echo(self, c: _Choice) -> tuple[str, dict | None]:
+        """A completion's echoed prompt and its tokens' logprobs (the <bos> the runtime adds is not echoed)."""
+        if self.req.logprobs is None:
+            return self.req.prompt_text, None
+        scores = self.echo_scores or []
+        scored = [(t, None, []) if s is None else (t, s[0], s[1]) for t, s in zip(self.req.prompt_ids[1:], scores[1:])]
+        return self.req.prompt_text, self._entries(c, scored)
+
+    @staticmethod
+    def _join(a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return a or b
+        return {k: a[k] + b[k] for k in a}
+
+    def whole(self, items: list) -> dict:
+        by_choice = [[ev for i, ev in items if i == c.index] for c in self.choices]
+        out = []
+        for c, events in zip(self.choices, by_choice):
+            released = [r for ev in events for r in self._released(c, ev)]
+            self._ended(events[-1])  # Generation renders only generations that finished
+            c.done = True
+            text = "".join(ev.text for ev in events)
+            finish = next((ev.finish_reason for ev in events if ev.finish_reason), None)
+            if self.chat:
+                calls = [call.to_openai() for ev in events for call in ev.tool_calls]
+                message = {"role": "assistant", "content": None if calls and not text else text}
+                if calls:
+                    message["tool_calls"] = calls
+                reasoning = "".join(ev.reasoning for ev in events)
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+                logprobs = self._logprobs(c, released)
+                out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                echoed, logprobs = self._echo(c) if self.req.echo else ("", None)
+                logprobs = self._join(logprobs, self._logprobs(c, released))
+                out.append({"index": c.index, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish})
+        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+
+    def _chunk(self, c: _Choice, choice: dict) -> dict:
+        out = {**self._envelope(True), "choices": [{"index": c.index, **choice}]}
         if self.req.include_usage:
             out["usage"] = None
         return out
 
-    def _call_deltas(self, call) -> list[dict]:
+    def _call_deltas(self, c: _Choice, call) -> list[dict]:
         """A call as OpenAI streams one: its id and name, then its arguments in fragments. The runtime has the
         call whole when it closes; a few fragments keep clients honest that must concatenate them."""
-        index, f = self.calls, call.to_openai()
-        self.calls += 1
+        index, f = c.calls, call.to_openai()
+        c.calls += 1
         arguments = f["function"]["arguments"]
         head = {"index": index, "id": f["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}
         size = max(1, -(-len(arguments) // 3))
@@ -135,39 +198,50 @@ class Render:
         ]
 
     def start(self) -> list[dict]:
-        return (
-            [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
-            if self.chat
-            else []
-        )
-
-    def step(self, ev) -> list[dict]:
-        """The chunks for one event: its text and reasoning (and token logprobs), then, on the
-        last event, the finish reason and (if asked for) the usage."""
-        self.completion_tokens += ev.token is not None
+        """Each choice's first chunk: its role (chat), or its echoed prompt (a completion with echo)."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            return [self._chunk(c, {"delta": delta, "logprobs": None, "finish_reason": None}) for c in self.choices]
+        if not self.req.echo:
+            return []
         out = []
-        lp = self._logprobs([ev]) if ev.token is not None else None
+        for c in self.choices:
+            text, logprobs = self._echo(c)
+            out.append(self._chunk(c, {"text": text, "logprobs": logprobs, "finish_reason": None}))
+        return out
+
+    def step(self, item) -> list[dict]:
+        """The chunks for one (choice index, event): its text and reasoning (with the logprobs of the tokens
+        they release), then, on its last event, the finish reason, and after the last choice's, the usage (if
+        asked for)."""
+        index, ev = item
+        c = self.choices[index]
+        out = []
+        released = self._released(c, ev)
+        lp = self._logprobs(c, released) if released else None
         if self.chat:
             delta = {}
             if ev.reasoning:
                 delta["reasoning_content"] = ev.reasoning
             if ev.text:
                 delta["content"] = ev.text
-            deltas = ([delta] if delta else []) + [d for call in ev.tool_calls for d in self._call_deltas(call)]
-            for i, d in enumerate(deltas or ([{}] if lp else [])):  # the token's logprobs go with its first delta
-                out.append(self._chunk({"delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}))
+            deltas = ([delta] if delta else []) + [d for call in ev.tool_calls for d in self._call_deltas(c, call)]
+            # the tokens' logprobs go with the first delta they released (a control token's: with an empty one)
+            for i, d in enumerate(deltas or ([{}] if lp else [])):
+                out.append(self._chunk(c, {"delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}))
         elif ev.text or lp:
-            out.append(self._chunk({"text": ev.text, "logprobs": lp, "finish_reason": None}))
+            out.append(self._chunk(c, {"text": ev.text, "logprobs": lp, "finish_reason": None}))
         if ev.finish_reason:
             self._ended(ev)
+            c.done = True
             end = {"delta": {}} if self.chat else {"text": ""}
-            out.append(self._chunk({**end, "logprobs": None, "finish_reason": ev.finish_reason}))
-            if self.req.include_usage:
+            out.append(self._chunk(c, {**end, "logprobs": None, "finish_reason": ev.finish_reason}))
+            if self.req.include_usage and all(x.done for x in self.choices):
                 out.append({**self._envelope(True), "choices": [], "usage": self.usage()})
         return out
 
 
-async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
+async def send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
@@ -200,12 +274,15 @@ class Generation:
         watcher = asyncio.ensure_future(watch())
         try:
             first = await job.next()
+            if isinstance(first, Echo):  # the prompt's logprobs come first; the status waits for what follows
+                self.render.echo_scores = first
+                first = await job.next()
             if first is END:
                 err = APIError(503, "the server is shutting down", type="server_error")
-                await _send_json(send, err.status, err.body())
+                await send_json(send, err.status, err.body())
             elif isinstance(first, BaseException):
                 err = error_of(first)
-                await _send_json(send, err.status, err.body())
+                await send_json(send, err.status, err.body())
             elif self.render.req.stream:
                 await self._stream(first, send)
             else:
@@ -221,15 +298,16 @@ class Generation:
         while item is not END:
             if isinstance(item, BaseException):
                 err = error_of(item)
-                await _send_json(send, err.status, err.body())
+                await send_json(send, err.status, err.body())
                 return
             events.append(item)
             item = await self.job.next()
-        if not any(ev.finish_reason for ev in events):  # cut short: the client left, or the server is stopping
+        finished = {i for i, ev in events if ev.finish_reason}
+        if len(finished) < self.render.req.n:  # cut short: the client left, or the server is stopping
             err = APIError(503, "the generation was cancelled", type="server_error")
-            await _send_json(send, err.status, err.body())
+            await send_json(send, err.status, err.body())
             return
-        await _send_json(send, 200, self.render.whole(events))
+        await send_json(send, 200, self.render.whole(events))
 
     async def _stream(self, item, send) -> None:
         await send(

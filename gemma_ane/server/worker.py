@@ -16,13 +16,26 @@ log = logging.getLogger("gemma_ane.server.app")
 END = object()  # the worker's last item for a job: nothing more will come
 
 
-class Job:
-    """One generation: its arguments, a cancel flag the worker checks between tokens (the runtime, between
-    the prompt's steps and prefill batches), and the
-    asyncio queue its events come back on."""
+class Echo(list):
+    """A job's first item when it asked for its prompt's logprobs: Model.prompt_logprobs's list."""
 
-    def __init__(self, rid: str, kwargs: dict, loop: asyncio.AbstractEventLoop):
+
+class Job:
+    """One request: the arguments of each of its generations (`choices`, run in turn from one prompt; default
+    just `kwargs`), a cancel flag the worker checks between tokens (the runtime, between the prompt's steps and
+    prefill batches), and the asyncio queue its items come back on: (choice index, event) pairs, an error, END.
+    `score`: (prompt ids, top) to report the prompt's logprobs first, as an Echo."""
+
+    def __init__(
+        self,
+        rid: str,
+        kwargs: dict,
+        loop: asyncio.AbstractEventLoop,
+        choices: list[dict] | None = None,
+        score: tuple[list[int], int] | None = None,
+    ):
         self.id, self.kwargs, self.loop = rid, kwargs, loop
+        self.choices, self.score = choices or [kwargs], score
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -96,17 +109,22 @@ class Worker:
                 job.put(END)
 
     def _generate(self, job: Job) -> None:
-        tokens = 0
-        # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
-        events = self.model.stream_generate(**job.kwargs, cancelled=job.cancelled.is_set)
+        if job.score is not None and not self._guarded(job, self._score, job):
+            return
+        for index, kwargs in enumerate(job.choices):
+            if job.cancelled.is_set() or not self._guarded(job, self._choice, job, index, kwargs):
+                return
+
+    def _score(self, job: Job) -> None:
+        ids, top = job.score
+        job.put(Echo(self.model.prompt_logprobs(ids, top, cancelled=job.cancelled.is_set)))
+
+    def _guarded(self, job: Job, run, *args) -> bool:
+        """run(*args), its failure logged and sent to the client (then nothing more runs for the job); whether
+        it went through."""
         try:
-            for ev in events:
-                job.put(ev)
-                tokens += ev.token is not None
-                if job.cancelled.is_set():
-                    # closing the generator at a yield leaves the caches and `cached` in step
-                    log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
-                    return
+            run(*args)
+            return True
         except Cancelled as e:
             log.info("%s: client gone, %s", job.id, e)
         except ValueError as e:  # the request's fault (sampling, template, context): reported as 400
@@ -115,5 +133,19 @@ class Worker:
         except Exception as e:
             log.exception("%s: generation failed", job.id)
             job.put(e)
+        return False
+
+    def _choice(self, job: Job, index: int, kwargs: dict) -> None:
+        tokens = 0
+        # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
+        events = self.model.stream_generate(**kwargs, cancelled=job.cancelled.is_set)
+        try:
+            for ev in events:
+                job.put((index, ev))
+                tokens += ev.token is not None
+                if job.cancelled.is_set():
+                    # closing the generator at a yield leaves the caches and `cached` in step
+                    log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
+                    return
         finally:
             events.close()
