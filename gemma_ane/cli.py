@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import files
-from .errors import GemmaAneError
+from .errors import ConversionError, GemmaAneError, InputError
 from .files import write_json
 from .grammar import GrammarError, response_grammar
 from .images import MAX_PIXELS
@@ -82,9 +82,9 @@ def cmd_verify(a):
     from .verify import verify_bundle, verify_graph
 
     if a.image and not a.bundle:
-        raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
+        raise InputError("--image: needs --bundle (the images go through the bundle's vision model)")
     if a.audio and not a.bundle:
-        raise ValueError("--audio: needs --bundle (the clips go through the bundle's audio model)")
+        raise InputError("--audio: needs --bundle (the clips go through the bundle's audio model)")
     if a.bundle:
         report = verify_bundle(
             a.src,
@@ -166,7 +166,7 @@ def cmd_convert(a):
     from .convert import ConvertOptions, StageTimer, convert, resolve_source
 
     if a.draft_tokens is not None and not a.assistant:
-        raise ValueError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
+        raise ConversionError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
     # the budget's boundaries are chosen before anything is written; the manifest records them as the split
     split = (
         parse_split(a.split)
@@ -276,7 +276,7 @@ def cmd_generate(a):
         kw["response_format"] = _response_format(a.json_schema)
     if a.image:
         if a.raw:
-            raise ValueError("--image: a raw prompt has no chat template to place the image in; drop --raw")
+            raise InputError("--image: a raw prompt has no chat template to place the image in; drop --raw")
         content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
@@ -307,22 +307,22 @@ def _response_format(text: str) -> dict:
         try:
             text, source = Path(text).read_text(), text
         except OSError as e:
-            raise ValueError(f"--json-schema {text}: cannot read ({e.strerror or e})") from None
+            raise InputError(f"--json-schema {text}: cannot read ({e.strerror or e})") from None
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        raise InputError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except RecursionError:  # the decoder recurses a level at a time: some thousand levels exhaust the stack
-        raise ValueError(f"{source}: nested more than {MAX_DEPTH} deep") from None
+        raise InputError(f"{source}: nested more than {MAX_DEPTH} deep") from None
     if not isinstance(schema, dict):
-        raise ValueError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
+        raise InputError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
     fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
     fmt = fmt if schema else {"type": "json_object"}
     try:
         response_grammar(fmt)  # a schema the grammar engine refuses is refused here, before loading anything
     except GrammarError as e:
         problem = str(e).removeprefix(f"{e.param}: ") if e.param else str(e)
-        raise ValueError(f"{source}: {problem}") from None
+        raise InputError(f"{source}: {problem}") from None
     return fmt
 
 

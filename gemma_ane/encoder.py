@@ -36,6 +36,7 @@ from .backend import open_one_function, pick_backend
 from .bundle import BundleError, layout, load_npy
 from .bundle.schema import audio_function
 from .engine import ContextOverflow
+from .errors import InputError
 from .host import MASK_BLOCKED
 from .images import MAX_PIXELS, ImageError, Patches, data_url_bytes, load_image, preprocess
 
@@ -305,7 +306,7 @@ def open_image_encoder(
     """The bundle's image encoder (taking images of at most max_pixels), or None when model_config.json states no
     vision model."""
     if max_pixels < 1:
-        raise ValueError(f"max_image_pixels={max_pixels}: must be >= 1")
+        raise InputError(f"max_image_pixels={max_pixels}: must be >= 1")
     entry = config.get("vision")
     if entry is None:
         return None

@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from . import fetch
+from .errors import InputError
 from .server_request import TEXT_BODY, APIError, ImageLimits, parse_request, prepare, remote_urls
 from .server_response import Generation, Render, Vocab
 from .server_worker import Job, Worker
@@ -115,7 +116,7 @@ def build_app(
     from starlette.routing import Route
 
     if max_queue < 0:
-        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+        raise InputError(f"max_queue={max_queue}: must be >= 0")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     # the image allowance counts only inside image_url parts; a max_body given is the limit of both
     text_body = TEXT_BODY if max_body is None else max_body
@@ -239,9 +240,9 @@ def serve(
     from .runtime import load
 
     if not 0 <= port <= 65535:
-        raise ValueError(f"port={port}: expected 0..65535")
+        raise InputError(f"port={port}: expected 0..65535")
     if max_queue < 0:
-        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+        raise InputError(f"max_queue={max_queue}: must be >= 0")
     # checked before loading
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")

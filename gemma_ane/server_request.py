@@ -11,7 +11,7 @@ import sys
 
 from . import fetch, grammar
 from .chat import ChatError, StopError, check_stop
-from .errors import GemmaAneError
+from .errors import GemmaAneError, InputError
 from .images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from .sampling import FIELDS, SamplingError, SamplingParams
 from .tools import ToolError, check_tool_choice, check_tools
@@ -81,7 +81,7 @@ class ImageLimits:
     def __post_init__(self):
         for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
             if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+                raise InputError(f"{name}={getattr(self, name)}: must be >= {low}")
         fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
 
     def max_body(self, model) -> int:
