@@ -591,9 +591,11 @@ class OutputParser:
         self.call = None
         try:
             if not closed:
+                # internal: caught below, as parse_call's are: a malformed call is returned as text
                 raise ValueError("never closed")
             name, arguments = parse_call(text)
             if self.names is not None and name not in self.names:
+                # internal: caught below, as the one above
                 raise ValueError(f"unknown function {name!r}")
         except ValueError as e:
             warnings.warn(f"a malformed tool call is returned as text: {e}", stacklevel=3)
