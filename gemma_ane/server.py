@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from . import fetch
-from .errors import InputError
+from .errors import GemmaAneError, InputError
 from .server_request import TEXT_BODY, APIError, ImageLimits, parse_request, prepare, remote_urls
 from .server_response import Generation, Render, Vocab
 from .server_worker import Job, Worker
@@ -366,9 +366,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, OSError) as e:  # bundle, backend and argument errors: one line, as the CLI does
+    except (GemmaAneError, ValueError, OSError) as e:  # one line and the class's exit code, as the CLI does
         print(f"gemma-ane serve: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code if isinstance(e, GemmaAneError) else 2
 
 
 if __name__ == "__main__":

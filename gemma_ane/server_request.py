@@ -433,7 +433,7 @@ def prepare(model, req: Request) -> None:
             prepared = build(**kw)
             ids, req.kwargs = prepared.ids, {"request": prepared}
     except ChatError as e:
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param=e.param or param) from None  # TooDeep names the field; error_of agrees
     except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
         raise APIError(400, str(e), param=e.param) from None
     except grammar.GrammarError as e:  # the grammar this tokenizer cannot spell: what asked for it is named

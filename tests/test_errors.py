@@ -19,7 +19,7 @@ from test_walls import PACKAGE, modules
 from gemma_ane import cli, errors
 from gemma_ane.backend import BackendError
 from gemma_ane.bundle import BundleError
-from gemma_ane.chat import ChatError, InvalidText, StopError, TooDeep
+from gemma_ane.chat import ChatError, InvalidText, StopError, TooDeep, check_nesting
 from gemma_ane.checkpoint import CheckpointError
 from gemma_ane.convert.options import ConvertError
 from gemma_ane.engine import Cancelled, ContextOverflow, Engine, FunctionUnavailable, NonFiniteOutput
@@ -34,7 +34,7 @@ from gemma_ane.prompt_cache import PromptCacheError
 from gemma_ane.sampling import Proposal, SamplingError
 from gemma_ane.server import APIError, build_app
 from gemma_ane.spec import ConfigError
-from gemma_ane.tools import ToolError, parse_call
+from gemma_ane.tools import MAX_DEPTH, ToolError, parse_call
 
 # exception classes that are not errors a user meets, each with why
 EXEMPT = {
@@ -344,3 +344,37 @@ def test_the_runtime_refuses_bad_arguments_as_input_errors(tiny_bundle16, tmp_pa
     with pytest.raises(InputError, match=r"^no caches of exactly 1 tokens here"):
         model.save_prompt_cache(tmp_path / "x.npz", 1)
     assert not (tmp_path / "x.npz").exists()
+
+
+class PreparingModel(FakeModel):
+    """A FakeModel whose `prepare` makes the runtime's message checks, as Model.prepare does before a request queues."""
+
+    def prepare(self, messages=None, **kw):
+        check_nesting(messages)
+        raise AssertionError("the test's messages nest too deeply")
+
+
+def test_a_runtime_error_found_before_the_queue_keeps_its_param():
+    """The same TooDeep, found by prepare or by the generation, gives the same response (one mapping)."""
+    from starlette.testclient import TestClient
+
+    nested = []
+    for _ in range(MAX_DEPTH + 1):
+        nested = [nested]
+    deep = {"role": "user", "content": [{"type": "text", "text": "hi", "x": nested}]}
+    with TestClient(build_app(PreparingModel([]), model_name="fake")) as http:
+        r = http.post(CHAT, json={"messages": [deep]})
+    assert_openai_error(r, 400, "messages[0].content", None)
+
+
+def test_python_m_gemma_ane_server_prints_any_package_error_as_one_line(monkeypatch, capsys):
+    from gemma_ane import server
+
+    e = FunctionUnavailable("chunk_1: function 'infer' cannot be loaded on cpu_and_ne")  # not a ValueError
+
+    def fails(a):
+        raise e
+
+    monkeypatch.setattr(server, "_cmd_serve", fails)
+    assert server.main(["bundle"]) == FunctionUnavailable.exit_code
+    assert capsys.readouterr().err == f"gemma-ane serve: error: {e}\n"
