@@ -3,7 +3,9 @@ it is reported: `exit_code` for the CLI (one line, then that code), `status` for
 `server._error_of`), `code` for OpenAI's error object. No imports of our own, so any module may use it.
 
 The subclasses keep the builtin base each family had before (ValueError, RuntimeError), so an
-`except ValueError` written against them still catches them."""
+`except ValueError` written against them still catches them. A builtin exception is raised only where no user
+input reaches (a bug if it fires, or caught at once), with a `# internal: why` comment on it or alone above it;
+tests/test_errors.py walks the source for any other."""
 
 
 class GemmaAneError(Exception):

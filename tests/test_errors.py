@@ -7,10 +7,14 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import io
+import tokenize
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from test_server import CHAT, FakeModel, assert_openai_error
-from test_walls import modules
+from test_walls import PACKAGE, modules
 
 from gemma_ane import cli, errors
 from gemma_ane.bundle import BundleError
@@ -22,13 +26,13 @@ from gemma_ane.files import FileFormatError
 from gemma_ane.mil.executor import ExecutionError
 from gemma_ane.mil.package import PackageError
 from gemma_ane.runtime.backend import BackendError
-from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep
-from gemma_ane.runtime.engine import Cancelled, ContextOverflow, FunctionUnavailable, NonFiniteOutput
+from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep, check_nesting
+from gemma_ane.runtime.engine import Cancelled, ContextOverflow, Engine, FunctionUnavailable, NonFiniteOutput
 from gemma_ane.runtime.grammar import GrammarError
 from gemma_ane.runtime.images import ImageError
 from gemma_ane.runtime.prompt_cache import PromptCacheError
-from gemma_ane.runtime.sampling import SamplingError
-from gemma_ane.runtime.tools import ToolError
+from gemma_ane.runtime.sampling import Proposal, SamplingError
+from gemma_ane.runtime.tools import MAX_DEPTH, ToolError, parse_call
 from gemma_ane.server.app import APIError, build_app
 from gemma_ane.server.fetch import FetchError
 
@@ -139,3 +143,238 @@ def test_an_api_error_keeps_its_own_status():
     """APIError is one of ours too (the CLI and a script catching GemmaAneError see it); its status is its own."""
     e = APIError(413, "too large", code="request_too_large")
     assert isinstance(e, GemmaAneError) and e.status == 413 and e.code == "request_too_large"
+
+
+# -- no builtin exception raised where a user can meet it ------------------------------------------------------------
+
+INTERNAL = "# internal:"  # the mark of a raise that no user input reaches, with why
+
+
+def builtin_raises(source: str) -> list[tuple[int, str]]:
+    """(line, class) of each `raise` of a builtin exception class in `source` that no `# internal:` comment marks,
+    on one of its own lines or alone on the line above it."""
+    own, above = set(), set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and tok.string.startswith(INTERNAL):
+            own.add(tok.start[0])
+            if tok.line.lstrip().startswith("#"):
+                above.add(tok.start[0] + 1)
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Raise) or node.exc is None:
+            continue
+        target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        name = ast.unparse(target).removeprefix("builtins.")
+        cls = getattr(builtins, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            continue
+        if node.lineno not in above and not own & set(range(node.lineno, node.end_lineno + 1)):
+            found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_the_walk_finds_an_unmarked_builtin_raise():
+    source = """
+def f(x):
+    if x:
+        raise ValueError(f"x={x}")  # a message is no mark
+    # internal: the caller checked y
+    raise KeyError(
+        "y"  # internal: or here
+    )
+
+def g(y):
+    raise builtins.TypeError  # written through the module
+    raise InputError("fine")
+    raise RuntimeError("z")  # internal: on its own line
+    y = 1  # internal: a comment on the statement above marks that one only
+    raise RuntimeError
+"""
+    assert builtin_raises(source) == [(4, "ValueError"), (11, "TypeError"), (15, "RuntimeError")]
+
+
+def test_no_builtin_exception_is_raised_unless_marked_internal():
+    """Every error a user can meet is a GemmaAneError; a builtin one is raised only where no user input reaches,
+    and a `# internal: why` comment says so. The rule holds for code written later."""
+    unmarked, marked = [], 0
+    for path in modules().values():
+        source = path.read_text()
+        unmarked += [f"gemma_ane/{path.relative_to(PACKAGE)}:{line}: {cls}" for line, cls in builtin_raises(source)]
+        marked += source.count(INTERNAL)
+    assert marked >= 5  # the walk does read the package: the engine's, the chat parser's, the prompt cache's
+    assert not unmarked, "raise a package error (gemma_ane.errors) naming the problem, or mark it internal:\n" + (
+        "\n".join(unmarked)
+    )
+
+
+# -- a sample of what used to be builtin errors, at the entry points a user meets them --------------------------------
+
+
+BUILD_PARSER = cli.build_parser  # cli_run replaces cli's for one run
+
+
+def cli_run(argv: list[str], monkeypatch, capsys) -> tuple[int, str, BaseException | None]:
+    """`gemma-ane ARGV`: its exit code, its stderr, and the exception its command raised (main prints it)."""
+    args = BUILD_PARSER().parse_args(argv)
+    command, raised = args.fn, []
+
+    def recording(a):
+        try:
+            return command(a)
+        except BaseException as e:
+            raised.append(e)
+            raise
+
+    args.fn = recording
+    monkeypatch.setattr(cli, "build_parser", lambda: SimpleNamespace(parse_args=lambda _: args))
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert out == ""
+    return rc, err, raised[0] if raised else None
+
+
+def test_convert_with_draft_tokens_and_no_assistant(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bundle"
+    rc, err, e = cli_run(["convert", str(tmp_path / "ckpt"), str(out), "--draft-tokens", "3"], monkeypatch, capsys)
+    assert (rc, err) == (
+        2,
+        "gemma-ane convert: error: --draft-tokens: needs --assistant (the drafter whose tokens "
+        "the verify calls check)\n",
+    )
+    assert isinstance(e, ConversionError) and not out.exists()
+
+
+def test_generate_with_an_image_and_raw(tmp_path, monkeypatch, capsys):
+    argv = ["generate", str(tmp_path / "bundle"), "-p", "hi", "--image", "a.png", "--raw"]
+    rc, err, e = cli_run(argv, monkeypatch, capsys)
+    assert rc == 2 and err.startswith("gemma-ane generate: error: --image: a raw prompt has no chat template")
+    assert err.count("\n") == 1 and isinstance(e, InputError)
+
+
+def test_generate_with_a_json_schema_file_that_is_not_json(tmp_path, monkeypatch, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object",')
+    rc, err, e = cli_run(
+        ["generate", str(tmp_path / "bundle"), "-p", "hi", "--json-schema", str(schema)], monkeypatch, capsys
+    )
+    assert (rc, err) == (
+        2,
+        f"gemma-ane generate: error: {schema}: not JSON (Expecting property name enclosed in "
+        "double quotes at line 1, column 19)\n",
+    )
+    assert isinstance(e, InputError)
+
+
+def test_tiny_over_an_existing_directory(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    rc, err, e = cli_run(["tiny", str(out)], monkeypatch, capsys)
+    assert (rc, err) == (2, f"gemma-ane tiny: error: {out}: already exists (use --force to replace it)\n")
+    assert isinstance(e, InputError) and [p.name for p in out.iterdir()] == ["mine.txt"]
+    rc, err, e = cli_run(["tiny", str(tmp_path / "new"), "--preset", "e9b"], monkeypatch, capsys)
+    assert rc == 2 and err.startswith("gemma-ane tiny: error: --preset 'e9b': choose one of e2b-mini")
+    assert isinstance(e, InputError) and not (tmp_path / "new").exists()
+
+
+def test_server_options_out_of_range():
+    with pytest.raises(InputError, match=r"^max_images=-1: must be >= 0$"):
+        build_app(FakeModel([]), model_name="fake", max_images=-1)
+    with pytest.raises(InputError, match=r"^max_queue=-1: must be >= 0$"):
+        build_app(FakeModel([]), model_name="fake", max_queue=-1)
+    with pytest.raises(InputError, match=r"^allow_fetch_from: 'a b': expected an address"):
+        build_app(FakeModel([]), model_name="fake", allow_fetch_from=["a b"])
+
+
+def test_a_bundle_whose_chunks_are_out_of_order():
+    """A bundle's fault, not the request's: the server answers 500 and keeps the message in its log."""
+
+    def chunk(name, states):
+        return SimpleNamespace(name=name, interfaces={"infer": {"inputs": {}, "outputs": {}, "states": states}})
+
+    chunks = [chunk("chunk_1", {"kv": {}}), chunk("chunk_3", {}), chunk("chunk_2", {"kv": {}})]
+    with pytest.raises(errors.BundleError, match="^chunks chunk_1, chunk_3, chunk_2: the stateful chunks must come"):
+        Engine(chunks, None, context=64, window=16, prefill_batch=8)
+
+
+def test_a_drafter_whose_logits_do_not_cover_the_vocabulary():
+    with pytest.raises(errors.BundleError, match=r"^the drafter's proposal: 5 ids, 5 logits, fill None, for a voc"):
+        Proposal(np.arange(5), np.zeros(5), None, 8)
+
+
+def test_quantizing_a_weight_with_non_finite_values():
+    from gemma_ane.convert.blockquant import quantize_blockwise
+    from gemma_ane.convert.palettize import kmeans_lut
+
+    weight = np.ones((32, 64), np.float32)
+    weight[3, 5] = np.inf
+    with pytest.raises(ConversionError, match="non-finite"):
+        quantize_blockwise(weight)
+    with pytest.raises(ConversionError, match="non-finite"):
+        kmeans_lut(weight)
+    with pytest.raises(ConversionError, match=r"^nbits=6: choose 4 or 8$"):
+        quantize_blockwise(np.ones((32, 64)), nbits=6)
+
+
+def test_verify_with_an_unknown_precision(tmp_path):
+    from gemma_ane.oracle.verify import verify_bundle, verify_graph
+
+    with pytest.raises(InputError, match=r"^--precision 'fp8': choose fp32 or fp16$"):
+        verify_graph(tmp_path, precision="fp8")
+    with pytest.raises(InputError, match=r"^--image and --audio: verify one kind of media a run$"):
+        verify_bundle(tmp_path, tmp_path, images=["a.png"], audio=["a.wav"])
+
+
+def test_a_tool_call_the_model_wrote_badly():
+    with pytest.raises(InputError, match=r"^expected ':' at character 10, found '}'$"):
+        parse_call("call:f{key}")
+
+
+def test_the_runtime_refuses_bad_arguments_as_input_errors(tiny_bundle16, tmp_path):
+    from gemma_ane import load
+
+    model = load(tiny_bundle16, backend="mil")
+    with pytest.raises(InputError, match=r"^max_tokens=-1: expected a non-negative integer$"):
+        model.generate("Hi", raw=True, max_tokens=-1)
+    with pytest.raises(InputError, match=r"^draft_tokens=2: this bundle has no drafter \(convert with --assistant\)$"):
+        model.generate("Hi", raw=True, max_tokens=2, draft_tokens=2)
+    with pytest.raises(InputError, match=r"^give a prompt or messages$"):
+        model.generate(raw=True)
+    model.generate("Hi", raw=True, max_tokens=2)
+    with pytest.raises(InputError, match=r"^no caches of exactly 1 tokens here"):
+        model.save_prompt_cache(tmp_path / "x.npz", 1)
+    assert not (tmp_path / "x.npz").exists()
+
+
+class PreparingModel(FakeModel):
+    """A FakeModel whose `prepare` makes the runtime's message checks, as Model.prepare does before a request queues."""
+
+    def prepare(self, messages=None, **kw):
+        check_nesting(messages)
+        raise AssertionError("the test's messages nest too deeply")
+
+
+def test_a_runtime_error_found_before_the_queue_keeps_its_param():
+    """The same TooDeep, found by prepare or by the generation, gives the same response (one mapping)."""
+    from starlette.testclient import TestClient
+
+    nested = []
+    for _ in range(MAX_DEPTH + 1):
+        nested = [nested]
+    deep = {"role": "user", "content": [{"type": "text", "text": "hi", "x": nested}]}
+    with TestClient(build_app(PreparingModel([]), model_name="fake")) as http:
+        r = http.post(CHAT, json={"messages": [deep]})
+    assert_openai_error(r, 400, "messages[0].content", None)
+
+
+def test_python_m_gemma_ane_server_prints_any_package_error_as_one_line(monkeypatch, capsys):
+    from gemma_ane.server import app as server
+
+    e = FunctionUnavailable("chunk_1: function 'infer' cannot be loaded on cpu_and_ne")  # not a ValueError
+
+    def fails(a):
+        raise e
+
+    monkeypatch.setattr(server, "_cmd_serve", fails)
+    assert server.main(["bundle"]) == FunctionUnavailable.exit_code
+    assert capsys.readouterr().err == f"gemma-ane serve: error: {e}\n"

@@ -8,6 +8,7 @@ import sys
 
 from ..bundle.plan import ChunkPlan, parse_split, split_for_budget
 from ..bundle.spec import ConfigError, ModelSpec
+from ..errors import ConversionError
 from ..files import write_json
 
 
@@ -78,7 +79,7 @@ def cmd_convert(a):
     from ..convert import ConvertOptions, StageTimer, convert, resolve_source
 
     if a.draft_tokens is not None and not a.assistant:
-        raise ValueError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
+        raise ConversionError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
     # the budget's boundaries are chosen before anything is written; the manifest records them as the split
     split = (
         parse_split(a.split)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import InputError
 from .run import add_image_pixels
 
 
@@ -11,9 +12,9 @@ def cmd_verify(a):
     from ..oracle.verify import verify_bundle, verify_graph
 
     if a.image and not a.bundle:
-        raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
+        raise InputError("--image: needs --bundle (the images go through the bundle's vision model)")
     if a.audio and not a.bundle:
-        raise ValueError("--audio: needs --bundle (the clips go through the bundle's audio model)")
+        raise InputError("--audio: needs --bundle (the clips go through the bundle's audio model)")
     if a.bundle:
         report = verify_bundle(
             a.src,

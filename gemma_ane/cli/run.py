@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..errors import InputError
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, SamplingParams
@@ -54,7 +55,7 @@ def cmd_generate(a):
         kw["response_format"] = _response_format(a.json_schema)
     if a.image:
         if a.raw:
-            raise ValueError("--image: a raw prompt has no chat template to place the image in; drop --raw")
+            raise InputError("--image: a raw prompt has no chat template to place the image in; drop --raw")
         content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
@@ -85,22 +86,22 @@ def _response_format(text: str) -> dict:
         try:
             text, source = Path(text).read_text(), text
         except OSError as e:
-            raise ValueError(f"--json-schema {text}: cannot read ({e.strerror or e})") from None
+            raise InputError(f"--json-schema {text}: cannot read ({e.strerror or e})") from None
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        raise InputError(f"{source}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except RecursionError:  # the decoder recurses a level at a time: some thousand levels exhaust the stack
-        raise ValueError(f"{source}: nested more than {MAX_DEPTH} deep") from None
+        raise InputError(f"{source}: nested more than {MAX_DEPTH} deep") from None
     if not isinstance(schema, dict):
-        raise ValueError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
+        raise InputError(f"{source}: a JSON schema is an object, not {type(schema).__name__}")
     fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
     fmt = fmt if schema else {"type": "json_object"}
     try:
         response_grammar(fmt)  # a schema the grammar engine refuses is refused here, before loading anything
     except GrammarError as e:
         problem = str(e).removeprefix(f"{e.param}: ") if e.param else str(e)
-        raise ValueError(f"{source}: {problem}") from None
+        raise InputError(f"{source}: {problem}") from None
     return fmt
 
 

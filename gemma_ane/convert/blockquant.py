@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConversionError
+
 BITS = (4, 8)
 
 
@@ -25,15 +27,15 @@ def quantize_blockwise(weight: np.ndarray, nbits: int = 4, group_size: int = 32)
     weight ~= q * scale repeated along the input axis. The integers are rounded against the fp16 scale actually
     stored. An all-zero block gets scale 0 and integers 0."""
     if nbits not in BITS:
-        raise ValueError(f"nbits={nbits}: choose 4 or 8")
+        raise ConversionError(f"nbits={nbits}: choose 4 or 8")
     w = np.asarray(weight, np.float32)
     if w.ndim != 2:
-        raise ValueError(f"weight has shape {w.shape}: expected [out, in]")
+        raise ConversionError(f"weight has shape {w.shape}: expected [out, in]")
     out, cols = w.shape
     if group_size < 1 or cols % group_size:
-        raise ValueError(f"{cols} input channels are not divisible by group_size {group_size}")
+        raise ConversionError(f"{cols} input channels are not divisible by group_size {group_size}")
     if not np.isfinite(w).all():
-        raise ValueError("weight has non-finite values")
+        raise ConversionError("weight has non-finite values")
     low, high = -(1 << (nbits - 1)), (1 << (nbits - 1)) - 1
     blocks = w.reshape(out, cols // group_size, group_size)
     at = np.abs(blocks).argmax(-1)[..., None]
@@ -60,6 +62,6 @@ def blockwise_weight(q: np.ndarray, scale: np.ndarray, nbits: int = 4, **op_args
     from coremltools.converters.mil.mil import types
 
     if nbits not in BITS:
-        raise ValueError(f"nbits={nbits}: choose 4 or 8")
+        raise ConversionError(f"nbits={nbits}: choose 4 or 8")
     data = np.asarray(q).astype(types.np_int4_dtype if nbits == 4 else np.int8)
     return mb.constexpr_blockwise_shift_scale(data=data, scale=np.asarray(scale, np.float16), **op_args)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ConversionError
+
 _CODES = 1 << 16
 
 
@@ -51,10 +53,10 @@ def kmeans_lut(
     """
     w16 = np.ascontiguousarray(weight, dtype=np.float16)
     if not np.isfinite(w16).all():
-        raise ValueError("weight has non-finite values in fp16")
+        raise ConversionError("weight has non-finite values in fp16")
     out, cols = w16.shape
     if out % group_size:
-        raise ValueError(f"{out} output channels are not divisible by group_size {group_size}")
+        raise ConversionError(f"{out} output channels are not divisible by group_size {group_size}")
     # Groups are independent: run them in blocks so the [groups, codes] prefix tables stay within
     # `block_bins` entries (the LM head has 8192 groups; all at once would need ~6 GB).
     present = np.zeros(_CODES, bool)

@@ -17,6 +17,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import InputError
 from ..files import building
 from .tokenizer_files import TINY_AUDIO_TOKENS, TINY_MEDIA_TOKENS, write_tokenizer_files
 
@@ -156,7 +157,7 @@ POST_NORMS = tuple(
 
 def text_config(preset: str) -> dict:
     if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
+        raise InputError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
     cfg = dict(
         model_type="gemma4_text",
         final_logit_softcapping=30.0,
@@ -523,13 +524,13 @@ def write_tiny(
     import torch
 
     if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"--dtype {dtype!r}: choose fp32 or bf16")
+        raise InputError(f"--dtype {dtype!r}: choose fp32 or bf16")
     if shards < 1:
-        raise ValueError(f"--shards {shards}: must be >= 1")
+        raise InputError(f"--shards {shards}: must be >= 1")
     out = Path(out)
     for path in (out, assistant):
         if path is not None and Path(path).exists() and not force:
-            raise FileExistsError(f"{path}: already exists (use --force to replace it)")
+            raise InputError(f"{path}: already exists (use --force to replace it)")
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = build_model(preset, seed)
     vocab_size, corpus = text_config(preset)["vocab_size"], None

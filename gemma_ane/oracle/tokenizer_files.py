@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from ..errors import InputError
 from ..files import write_atomic, write_json
 from ..runtime.tokens import SPECIAL_TOKENS, byte_symbols
 
@@ -195,7 +196,7 @@ def build_tokenizer(vocab_size: int, corpus: str = _CORPUS, audio: bool = False)
     learned from ``corpus`` (a model trained on some text can have them from that text: shorter prompts); with
     ``audio``, the audio tokens too (TINY_AUDIO_TOKENS)."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
+        raise InputError(
             f"vocab_size must be >= {MIN_VOCAB_SIZE} ({_SPECIAL_BLOCK} special ids + 256 byte symbols), "
             f"got {vocab_size}"
         )

@@ -17,6 +17,7 @@ from ..bundle.plan import ChunkPlan
 from ..bundle.spec import ModelSpec
 from ..bundle.tables import HostTables
 from ..convert.checkpoint import Checkpoint
+from ..errors import InputError
 from ..runtime.engine import Engine
 from ..runtime.images import MAX_PIXELS
 
@@ -159,13 +160,13 @@ def verify_graph(
     from ..convert.models.text import TorchChunk, build_chunks
 
     if precision not in ("fp32", "fp16"):
-        raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
+        raise InputError(f"--precision {precision!r}: choose fp32 or fp16")
     ckpt = Checkpoint(src)
     ckpt.validate()
     spec = ckpt.spec
     plan = ChunkPlan.build(spec, context or context_for(spec, tokens), prefill_batch, split)
     if tokens < 2 or tokens > plan.context:
-        raise ValueError(f"--tokens {tokens}: must be in [2, context={plan.context}]")
+        raise InputError(f"--tokens {tokens}: must be in [2, context={plan.context}]")
     prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(spec, tokens, seed)
     host = host_from_checkpoint(ckpt, plan.context)
@@ -219,11 +220,11 @@ def verify_bundle(
     from ..runtime.encoder import open_audio_encoder, open_image_encoder
 
     if images and audio:
-        raise ValueError("--image and --audio: verify one kind of media a run")
+        raise InputError("--image and --audio: verify one kind of media a run")
     if precision not in ("fp32", "fp16"):
-        raise ValueError(f"--precision {precision!r}: choose fp32 or fp16")
+        raise InputError(f"--precision {precision!r}: choose fp32 or fp16")
     if prompt_path not in ("all", "generate"):
-        raise ValueError(f"prompt_path={prompt_path!r}: choose 'all' or 'generate'")
+        raise InputError(f"prompt_path={prompt_path!r}: choose 'all' or 'generate'")
     ckpt = Checkpoint(src)
     ckpt.validate()
     engine = open_engine(bundle, "mil", precision)
@@ -232,18 +233,18 @@ def verify_bundle(
         config = read_model_config(bundle)
         encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", config, max_image_pixels)
     if images and encoder is None:
-        raise ValueError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
+        raise InputError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
     if audio:
         encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
         if encoder is None:
-            raise ValueError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
+            raise InputError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
     prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
     media = images or audio
     soft = [encoder.encode(item, f"{encoder.kind} {i + 1}") for i, item in enumerate(media)]
     ids, prompt_len = _with_images(ids, prompt_len, soft, encoder)
     if not 2 <= len(ids) <= engine.context:
-        raise ValueError(f"--tokens {tokens}: {len(ids)} positions with the media; must be in [2, {engine.context}]")
+        raise InputError(f"--tokens {tokens}: {len(ids)} positions with the media; must be in [2, {engine.context}]")
     engine.soft_tokens = {k: row for image in soft for k, row in zip(image.keys, image.rows)}
     functions = sorted({f for f, _ in engine.plan(0, prompt_len)}) if prompt_path == "generate" else None
     ours = run_engine(engine, np.asarray(ids), prompt_len, "all" if prompt_path == "all" else "last")
@@ -396,7 +397,7 @@ def _oracle_pixels(images: list, entry: dict) -> dict:
 def _prompt_len(prompt_len, tokens):
     prompt_len = prompt_len if prompt_len is not None else max(1, tokens // 4)
     if not 1 <= prompt_len <= tokens:
-        raise ValueError(f"--prompt-tokens {prompt_len}: must be in [1, --tokens={tokens}]")
+        raise InputError(f"--prompt-tokens {prompt_len}: must be in [1, --tokens={tokens}]")
     return prompt_len
 
 

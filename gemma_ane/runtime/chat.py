@@ -602,6 +602,7 @@ class OutputParser:
         try:
             name, arguments = parse_call(text)
             if self.names is not None and name not in self.names:
+                # internal: caught below, as the one above
                 raise ValueError(f"unknown function {name!r}")
         except ValueError as e:
             warnings.warn(f"a malformed tool call is returned as text: {e}", stacklevel=3)

@@ -82,6 +82,7 @@ class Drafter:
         (or the previous step's carry); kv is chunk_2's output dict. Returns the proposal and the next carry (Hb,)."""
         P = position
         if not 1 <= P < self.widths[FULL]:
+            # internal: the runtime drafts after the prompt (P >= 1) and only where a verify call fits (P < context)
             raise ValueError(f"draft position {P}: must lie in [1, context {self.widths[FULL]})")
         x = {"embedding": self.host.embed([token])[0], "carry": np.asarray(carry, np.float32).reshape(1, 1, -1)}
         x.update((n, kv[n]) for n in self.kv_names)

@@ -33,6 +33,7 @@ import numpy as np
 from ..bundle import BundleError, layout, load_npy
 from ..bundle.host import MASK_BLOCKED
 from ..bundle.schema import audio_function
+from ..errors import InputError
 from . import audio
 from .audio import AudioError, input_audio_bytes, load_audio
 from .backend import open_one_function, pick_backend
@@ -305,7 +306,7 @@ def open_image_encoder(
     """The bundle's image encoder (taking images of at most max_pixels), or None when model_config.json states no
     vision model."""
     if max_pixels < 1:
-        raise ValueError(f"max_image_pixels={max_pixels}: must be >= 1")
+        raise InputError(f"max_image_pixels={max_pixels}: must be >= 1")
     entry = config.get("vision")
     if entry is None:
         return None

@@ -16,7 +16,7 @@ import numpy as np
 from ..bundle.host import full_mask, kv_sliding_mask, sliding_mask
 from ..bundle.spec import FULL, SLIDING
 from ..bundle.tables import HostTables
-from ..errors import DeviceError, GemmaAneError, InputError
+from ..errors import BundleError, DeviceError, GemmaAneError, InputError
 from .tokens import PAD
 
 
@@ -90,7 +90,7 @@ class Engine:
         self.body = [i for i, c in enumerate(chunks) if c.interfaces["infer"]["states"]]
         self.tail = [i for i, c in enumerate(chunks) if not c.interfaces["infer"]["states"]]
         if self.body != list(range(len(self.body))) or not self.tail:
-            raise ValueError(
+            raise BundleError(
                 f"chunks {', '.join(c.name for c in chunks)}: the stateful chunks must come first and the last "
                 "must be stateless (it holds the head)"
             )
@@ -155,7 +155,7 @@ class Engine:
             return self.host.embed(ids)
         missing = {int(t) for t in ids[soft]} - self.soft_tokens.keys()
         if missing:
-            raise ValueError(f"soft token {min(missing)}: no row for it (encode its image first)")
+            raise InputError(f"soft token {min(missing)}: no row for it (encode its image first)")
         h, ple = self.host.embed(np.where(soft, PAD, ids))
         h[0, soft] = np.stack([self.soft_tokens[int(t)] for t in ids[soft]])
         return h, ple
@@ -267,8 +267,10 @@ class Engine:
         in slots the position masks hide until accepted tokens overwrite them (spec.ring_slots)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not self.can_verify():
+            # internal: the runtime drafts only where can_verify holds
             raise ValueError(f"no verify call fits at position {self.position} (see can_verify)")
         if len(ids) != self.verify_batch:
+            # internal: the runtime pads its drafts to verify_batch ids
             raise ValueError(f"verify_b{self.verify_batch} takes {self.verify_batch} ids, got {len(ids)}")
         function, p = f"verify_b{self.verify_batch}", self.position
         try:
@@ -370,6 +372,7 @@ class Engine:
         elif function.startswith("prefill_kv_b"):
             self.kv_batches = tuple(T for T in self.kv_batches if f"prefill_kv_b{T}" != function)
         else:  # infer is loaded when the backend opens; nothing else is planned
+            # internal: _ready_plan drops only a function plan() chose that was not loaded, never infer
             raise AssertionError(f"{function} is not a prompt path")
 
     def _paths(self) -> str:
@@ -453,7 +456,7 @@ class Engine:
         else:
             rings = next((s.rings for s in self.snapshots if s.position == position), None)
             if rings is None or not 0 < position <= self.position:
-                raise ValueError(f"no caches of exactly {position} tokens here (position {self.position})")
+                raise InputError(f"no caches of exactly {position} tokens here (position {self.position})")
         return [
             {**r, **{n: c.read_state(s, n)[:, :, :position] for n in c.interfaces["infer"]["states"] if n != RING}}
             for c, s, r in zip(self.chunks, self.states, rings)

@@ -171,19 +171,19 @@ def parse_call(text: str) -> tuple[str, dict]:
     a ValueError saying what is wrong where if it is not one."""
     m = _CALL.match(text)
     if not m:
-        raise ValueError(f"expected call:NAME{{...}}, got {text[:40]!r}")
+        raise InputError(f"expected call:NAME{{...}}, got {text[:40]!r}")
     try:
         arguments, end = _object(text, m.end())
     except RecursionError:
-        raise ValueError("arguments nested too deeply") from None
+        raise InputError("arguments nested too deeply") from None
     if end != len(text):
-        raise ValueError(f"text after the arguments: {text[end : end + 20]!r}")
+        raise InputError(f"text after the arguments: {text[end : end + 20]!r}")
     return m.group(1), arguments
 
 
 def _fail(text: str, i: int, want: str) -> NoReturn:
     found = repr(text[i : i + 20]) if i < len(text) else "the end"
-    raise ValueError(f"expected {want} at character {i}, found {found}")
+    raise InputError(f"expected {want} at character {i}, found {found}")
 
 
 def _object(text: str, i: int) -> tuple[dict, int]:
@@ -224,7 +224,7 @@ def _array(text: str, i: int) -> tuple[list, int]:
 def _string(text: str, i: int) -> tuple[str, int]:
     end = text.find(Q, i + len(Q))
     if end < 0:
-        raise ValueError(f"the string at character {i} is never closed")
+        raise InputError(f"the string at character {i} is never closed")
     return text[i + len(Q) : end], end + len(Q)
 
 

@@ -246,7 +246,7 @@ def preprocess(
     transformers' Gemma 4 image processor does it: Pillow's bicubic resize of the 8-bit RGB image (its PIL
     backend's filter), then x / 255 in float64 rounded to float32, with no normalisation."""
     if max_soft_tokens not in SOFT_TOKEN_BUDGETS:
-        raise ValueError(
+        raise InputError(
             f"max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, not {max_soft_tokens}"
         )
     Image, _ = pil()

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..bundle import BundleError, check_bundle, layout
+from ..errors import InputError
 from ..files import read_json
 from . import grammar, prompt_cache
 from .audio import AudioError
@@ -186,9 +187,9 @@ class Model:
         """The prompt's ids. A raw prompt is the caller's own formatting, control tokens included."""
         if messages is None and raw:
             if prompt is None:
-                raise ValueError("give a prompt or messages")
+                raise InputError("give a prompt or messages")
             if system or tools:
-                raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
+                raise InputError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
             return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
         check_text(prompt, "prompt")
         check_text(system, "system")
@@ -288,16 +289,17 @@ class Model:
             self.generation, vocab_size=self.config["vocab_size"], **sampling
         )
         if not caps.logits and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
-            raise ValueError(
+            raise SamplingError(
                 "this bundle's chunk_3 returns only the argmax token (published layout): "
-                "sampling and logit_bias are not possible; use temperature=0"
+                "sampling and logit_bias are not possible; use temperature=0",
+                param="logit_bias" if params.logit_bias else "temperature",
             )
         stop = check_stop(stop)
         tools = check_tools(tools) if tools is not None else None
         rule = self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, params.logit_bias)
         drafts = self._drafts(draft_tokens, rule.constraint)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
+            raise InputError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
         ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
         conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
         marks = self.turn_ends(conversation, ids) if conversation else []
@@ -329,7 +331,7 @@ class Model:
         if request is None:
             request = self.prepare(prompt, messages, **kw)
         elif prompt is not None or messages is not None or kw:
-            raise ValueError("give a prepared request or a prompt and its options, not both")
+            raise InputError("give a prepared request or a prompt and its options, not both")
         yield from self._run(request, cancelled)
 
     def _run(self, request: Request, cancelled) -> Iterator[Event]:
@@ -486,7 +488,7 @@ class Model:
         reads them). Every position's logits come from one feed, so the caches start over; a generation from
         the same prompt then reuses them."""
         if not self.capabilities.logits:
-            raise ValueError("this bundle's chunk_3 returns only the argmax token (published layout): no logprobs")
+            raise InputError("this bundle's chunk_3 returns only the argmax token (published layout): no logprobs")
         _check(cancelled)
         self.engine.reset()
         rows = self.engine.feed(ids, logits="all", cancelled=cancelled) if len(ids) > 1 else []
@@ -503,12 +505,12 @@ class Model:
         """Drafts per verify call for this generation (0: plain decoding)."""
         k = self.draft_tokens if draft_tokens is None else draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"draft_tokens={k!r}: expected a non-negative integer")
+            raise InputError(f"draft_tokens={k!r}: expected a non-negative integer")
         most = self.capabilities.max_draft_tokens
         if k and not most and not self.drafts_unavailable:
-            raise ValueError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
+            raise InputError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
         if k > most and not self.drafts_unavailable:
-            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
+            raise InputError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
         # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
         return 0 if constraint is not None or self.drafter is None else k
 
@@ -620,7 +622,7 @@ def _conversation(prompt, messages, system) -> list[dict]:
     if messages is not None:
         return messages
     if prompt is None:
-        raise ValueError("give a prompt or messages")
+        raise InputError("give a prompt or messages")
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 

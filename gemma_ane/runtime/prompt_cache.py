@@ -73,7 +73,7 @@ def save(path, engine: Engine, position: int, bundle: str) -> None:
     images = {str(n): identity_of(n) for n in numbers}
     unknown = [n for n, identity in images.items() if identity is None]
     if unknown:  # keys that encoder.soft_keys did not make in this process: nothing could map them back
-        raise ValueError(f"{path}: tokens hold soft-token keys of no known image (number {unknown[0]})")
+        raise PromptCacheError(f"{path}: tokens hold soft-token keys of no known image (number {unknown[0]})")
     meta = {**_meta(engine, bundle), "images": {n: identity.hex() for n, identity in images.items()}}
     arrays = {"tokens": np.asarray(tokens, np.int64)}
     for k, chunk in enumerate(engine.caches(position), 1):
@@ -152,6 +152,7 @@ def _read(z, info: zipfile.ZipInfo, path, field: str, limit: int, check) -> np.n
         with z.open(info) as f:
             version = np.lib.format.read_magic(f)
             if version not in ((1, 0), (2, 0)):
+                # internal: caught below with numpy's own, and raised as a PromptCacheError naming file and field
                 raise ValueError(f"unsupported .npy version {version}")
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else None
             shape, fortran, dtype = (read_header or np.lib.format.read_array_header_2_0)(f)
@@ -161,6 +162,7 @@ def _read(z, info: zipfile.ZipInfo, path, field: str, limit: int, check) -> np.n
             nbytes = math.prod(shape) * dtype.itemsize
             data = f.read(nbytes)
             if len(data) != nbytes or f.read(1):  # reading to the end checks the member's CRC
+                # internal: caught below, as the version's
                 raise ValueError(f"{len(data)} bytes of data where the header declares {nbytes}")
             return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
     except PromptCacheError:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import BundleError, InputError
 
 
 class SamplingError(InputError):
@@ -160,7 +160,10 @@ class Proposal:
     def __post_init__(self):
         self.ids, self.logits = np.asarray(self.ids, np.int64), np.asarray(self.logits, np.float32)
         if self.ids.shape != self.logits.shape or (self.fill is None and len(self.ids) != self.vocab):
-            raise ValueError(f"proposal: {len(self.ids)} ids, {len(self.logits)} logits, fill {self.fill}")
+            raise BundleError(  # drafter.py makes every Proposal: its outputs do not fit the bundle's vocabulary
+                f"the drafter's proposal: {len(self.ids)} ids, {len(self.logits)} logits, fill {self.fill}, "
+                f"for a vocabulary of {self.vocab}"
+            )
         self._order = np.argsort(self.ids)
         self._sorted = self.ids[self._order]
 

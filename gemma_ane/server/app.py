@@ -38,6 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..errors import GemmaAneError, InputError
 from . import fetch
 from .request import TEXT_BODY, APIError, ImageLimits, parse_request, prepare, remote_urls
 from .response import Generation, Render, Vocab, send_json
@@ -115,7 +116,7 @@ def check_origins(origins) -> tuple[str, ...]:
     out = tuple(origins)
     for o in out:
         if o != "*" and not _ORIGIN.fullmatch(o):
-            raise ValueError(f"--allow-origin {o!r}: expected '*' or an origin such as https://example.com:8443")
+            raise InputError(f"--allow-origin {o!r}: expected '*' or an origin such as https://example.com:8443")
     return out
 
 
@@ -192,7 +193,7 @@ def build_app(
     from starlette.routing import Route
 
     if max_queue < 0:
-        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+        raise InputError(f"max_queue={max_queue}: must be >= 0")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     allow_origins = check_origins(allow_origins)
     # the image allowance counts only inside image_url parts; a max_body given is the limit of both
@@ -321,9 +322,9 @@ def serve(
     from ..runtime.model import load
 
     if not 0 <= port <= 65535:
-        raise ValueError(f"port={port}: expected 0..65535")
+        raise InputError(f"port={port}: expected 0..65535")
     if max_queue < 0:
-        raise ValueError(f"max_queue={max_queue}: must be >= 0")
+        raise InputError(f"max_queue={max_queue}: must be >= 0")
     # checked before loading
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     allow_origins = check_origins(allow_origins)
@@ -458,9 +459,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, OSError) as e:  # bundle, backend and argument errors: one line, as the CLI does
+    except (GemmaAneError, ValueError, OSError) as e:  # one line and the class's exit code, as the CLI does
         print(f"gemma-ane serve: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code if isinstance(e, GemmaAneError) else 2
 
 
 if __name__ == "__main__":

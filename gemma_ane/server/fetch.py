@@ -24,7 +24,7 @@ import threading
 import time
 from urllib.parse import urljoin, urlsplit
 
-from ..errors import GemmaAneError
+from ..errors import GemmaAneError, InputError
 
 log = logging.getLogger("gemma_ane.server.app")
 
@@ -55,13 +55,13 @@ class Allowlist:
         self.networks, self.hosts = [], set()
         for entry in entries:
             if not isinstance(entry, str) or not entry.strip():
-                raise ValueError(f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name")
+                raise InputError(f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name")
             try:
                 self.networks.append(ipaddress.ip_network(entry.strip(), strict=False))
             except ValueError:
                 host = entry.strip().lower().rstrip(".")
                 if not all(part and part.replace("-", "").isalnum() for part in host.split(".")):
-                    raise ValueError(
+                    raise InputError(
                         f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name"
                     ) from None
                 self.hosts.add(host)

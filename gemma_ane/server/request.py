@@ -9,7 +9,7 @@ import io
 import re
 import sys
 
-from ..errors import GemmaAneError
+from ..errors import GemmaAneError, InputError
 from ..runtime import grammar
 from ..runtime.chat import ChatError, StopError, check_stop
 from ..runtime.images import MAX_PIXELS, ImageError, data_url_bytes, open_image
@@ -82,7 +82,7 @@ class ImageLimits:
     def __post_init__(self):
         for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
             if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+                raise InputError(f"{name}={getattr(self, name)}: must be >= {low}")
         fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
 
     def max_body(self, model) -> int:
@@ -481,7 +481,7 @@ def prepare(model, req: Request) -> None:
             ids, req.kwargs = prepared.ids, {"request": prepared}
         req.choices = [req.kwargs] + [_choice(build, kw, i) for i in range(1, req.n)]
     except ChatError as e:
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param=e.param or param) from None  # TooDeep names the field; error_of agrees
     except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
         raise APIError(400, str(e), param=e.param) from None
     except grammar.GrammarError as e:  # the grammar this tokenizer cannot spell: what asked for it is named

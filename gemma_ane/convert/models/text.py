@@ -260,6 +260,7 @@ class TorchChunk:
 
     def load(self, function: str) -> None:
         if function not in self.interfaces:
+            # internal: the engine asks only for functions of the plan these interfaces were built from
             raise KeyError(f"{self.name} has no function {function!r}")
 
     def make_state(self) -> dict | None:
@@ -268,6 +269,7 @@ class TorchChunk:
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         if function not in self.interfaces:
+            # internal: as in load; the engine runs only the functions it loaded
             raise KeyError(f"{self.name} has no function {function!r}")
         self.model.use_function(function)
         for name, cache in (state or {}).items():
