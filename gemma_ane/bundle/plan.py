@@ -275,18 +275,19 @@ def select_functions(functions, every: list[str]) -> set[str]:
 def device_cost(chunks) -> list[dict]:
     """For each (name, weight bytes of its program, {function: weight bytes it reads}): its weights, what its
     functions would wire if each loaded function wires its own copy (`WIRED_PER_WEIGHT_BYTE`), and a warning per
-    size limit its program exceeds."""
+    chunk whose program exceeds a size limit, naming each it exceeds."""
     report = []
     for name, weight, functions in chunks:
         mb = weight / 1e6
         over = [f"{limit} (~{cap:g} MB)" for limit, cap in SIZE_LIMITS_MB.items() if mb > cap]
+        warning = f"{name}: {mb:.1f} MB of weights exceeds the per-program limit of the {' and the '.join(over)}"
         report.append(
             {
                 "name": name,
                 "functions": list(functions),
                 "weight_mb": round(mb, 1),
                 "wired_mb": round(sum(functions.values()) * WIRED_PER_WEIGHT_BYTE / 1e6, 1),
-                "warnings": [f"{name}: {mb:.1f} MB of weights exceeds the {o} per-program limit" for o in over],
+                "warning": warning if over else None,
             }
         )
     return report
@@ -304,7 +305,7 @@ def format_device_cost(cost: list[dict]) -> list[str]:
         )
     total = sum(c["wired_mb"] for c in cost)
     lines.append(f"  all chunks: ~{total:.1f} MB wired with every function loaded")
-    return lines + [f"warning: {w}" for c in cost for w in c["warnings"]]
+    return lines + [f"warning: {c['warning']}" for c in cost if c["warning"]]
 
 
 MAX_DRAFT_TOKENS = 31  # verify_b32: the rings' 32 extra slots hold one verify batch's rows (ring_slots)
