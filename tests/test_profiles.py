@@ -154,8 +154,9 @@ def test_plan_reports_the_wired_cost_and_a_warning_per_chunk_over_a_limit(capsys
 
 
 def test_a_prompt_function_one_chunk_lacks_degrades_with_one_warning(tiny_bundle16, monkeypatch):
-    """chunk_2 without prefill_b8 (as a bundle converted elsewhere may be): the prompt runs one token at a time, as
-    through a bundle without prefill_b8 at all, instead of failing in chunk_2 mid-prompt."""
+    """chunk_2 without prefill_kv_b8 (as a bundle converted elsewhere may be): the prompt runs through the next path
+    (prefill_b8, then infer), as through a bundle without prefill_kv_b8 at all, instead of failing in chunk_2
+    mid-prompt."""
     from gemma_ane.runtime import backend
 
     real = backend.open_chunks
@@ -171,18 +172,18 @@ def test_a_prompt_function_one_chunk_lacks_degrades_with_one_warning(tiny_bundle
         return open_chunks
 
     ids = list(range(3, 40))
-    monkeypatch.setattr(backend, "open_chunks", without("prefill_b8", {"chunk_1", "chunk_2"}))
+    monkeypatch.setattr(backend, "open_chunks", without("prefill_kv_b8", {"chunk_1", "chunk_2"}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, expected = backend.open_engine(tiny_bundle16, "mil").prompt(ids)
-    monkeypatch.setattr(backend, "open_chunks", without("prefill_b8", {"chunk_2"}))
+    monkeypatch.setattr(backend, "open_chunks", without("prefill_kv_b8", {"chunk_2"}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = backend.open_engine(tiny_bundle16, "mil")
         _, logits = engine.prompt(ids)
     lines = [str(w.message) for w in caught]
-    assert lines == ["chunk_2: no function 'prefill_b8'; prompts run without it"], lines
-    assert engine.prefill_batch is None and np.array_equal(logits, expected)
+    assert lines == ["chunk_2: no function 'prefill_kv_b8'; prompts run without it"], lines
+    assert engine.kv_batches == () and engine.prefill_batch == 8 and np.array_equal(logits, expected)
 
 
 # -- a phone bundle ----------------------------------------------------------------------------------------------
