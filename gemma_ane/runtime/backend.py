@@ -250,7 +250,7 @@ def open_chunks(
 def carried_together(chunks: list[ChunkBackend]) -> None:
     """Keep only the functions every chunk that needs them carries, with one warning for the rest: a prompt function
     (`prefill_b{T}`, `prefill_kv_b{T}`) runs through every stateful chunk, a `verify_b{T}` through every chunk, so one
-    some of them lack (a bundle converted with other `--functions` per chunk, or elsewhere) would fail mid-prompt.
+    some of them lack (a bundle converted elsewhere, or a chunk swapped for another's) would fail mid-prompt.
     Its prompt path degrades to the next (prefill_b8 -> infer one token at a time), never to an error. A bundle
     that carries no batched prompt function at all (`--profile phone`) says so once too: its prompts are slow."""
     stateful = [c for c in chunks if c.interfaces["infer"]["states"]]
