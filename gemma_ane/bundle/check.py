@@ -27,6 +27,7 @@ from .layout import (
     model_paths,
     package_path,
 )
+from .plan import device_cost
 from .schema import ASSISTANT, VISION, read_model_config
 
 
@@ -106,6 +107,7 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
             entry["layers"] = planned[entry["name"]]["layers"]
         chunks.append(entry)
     report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
+    report["device_cost"] = device_cost(_chunk_weights(c) for c in chunks)
     # the one-function models, costed as the chunks' functions: what a draft step or an image pays
     for name, function in ONE_FUNCTION_MODELS.items():
         path = next(iter(model_paths(root, name)), None)
@@ -114,6 +116,16 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
+
+
+def _chunk_weights(chunk: dict) -> tuple[str, int, dict]:
+    """(name, its program's weight bytes, {function: weight bytes it reads}) for `device_cost`. A compiled chunk
+    cannot be read back: its size on disk stands for its weights, read whole by every function."""
+    functions = chunk["functions"]
+    if any(f["weight_bytes"] is None for f in functions.values()):
+        return chunk["name"], chunk["size_bytes"], dict.fromkeys(functions, chunk["size_bytes"])
+    read = {name: f["weight_bytes"] for name, f in functions.items()}
+    return chunk["name"], max(read.values()), read
 
 
 def _tokens_per_call(io: dict) -> int:

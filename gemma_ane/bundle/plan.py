@@ -5,6 +5,7 @@ tensors it takes and hands on, for any number of chunks; and the boundaries a si
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .spec import FULL, SLIDING, ConfigError, ModelSpec
@@ -117,6 +118,14 @@ class ChunkPlan:
             for c in self.chunks
         ]
 
+    def device_cost(self, bits: int) -> list[dict]:
+        """Each chunk's weights and what its function set would wire on a device (`device_cost`), from the sizes
+        `describe` estimates at `bits`."""
+        roles = self.describe(bits)
+        return device_cost(
+            (r["name"], r["weight_mb"] * 1e6, dict.fromkeys(r["functions"], r["weight_mb"] * 1e6)) for r in roles
+        )
+
     @staticmethod
     def default_split(spec: ModelSpec) -> tuple[int, int]:
         # The published layout's E2B split (0-7 / 8-24 / 25-34): halve the cache owners, halve the sharers.
@@ -133,16 +142,28 @@ class ChunkPlan:
         head: str = "logits",
         kv_batches: tuple[int, ...] = (),
         draft_tokens: int = 0,
+        functions: tuple[str, ...] | None = None,
     ) -> ChunkPlan:
         """split: the N-1 layer boundaries of N chunks (default: the published layout's three, `default_split`).
         head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
         kv_batches: batch sizes of the KV-only prefill functions `prefill_kv_b{T}`.
         draft_tokens: K > 0 adds `verify_b{K+1}` to every chunk (the last token and K drafts in one call, logits for
         every row) and the last chunk's `final_hidden` output (what the drafter reads), and pads the rings
-        (`ring_slots`)."""
+        (`ring_slots`).
+        functions: the functions every chunk carries when it can (`select_functions`: names, kinds or a profile's
+        list; None: all). A KV-only batch left out does not pad the ring; a verify function left out keeps the
+        drafter's padding and outputs, so the bundle's layout does not depend on it."""
         _check_options(spec, context, prefill_batch, head, kv_batches, draft_tokens)
         split = tuple(split) if split is not None else cls.default_split(spec)
         _check_split(spec, split)
+        every = [
+            "infer",
+            f"prefill_b{prefill_batch}",
+            *(f"prefill_kv_b{T}" for T in sorted(set(kv_batches), reverse=True)),
+        ]
+        every += [f"verify_b{draft_tokens + 1}"] * bool(draft_tokens)
+        carried = select_functions(functions, every)
+        kv_batches = tuple(T for T in kv_batches if f"prefill_kv_b{T}" in carried)
         R = ring_slots(spec.sliding_window, draft_tokens, kv_batches)
         bounds = [0, *split, spec.num_layers]
         io = _PlanIO(spec, context, R, head, draft_tokens > 0, tuple(zip(bounds, bounds[1:])))
@@ -154,11 +175,12 @@ class ChunkPlan:
             full = tuple(i for i in owners if not spec.is_sliding(i))
             stateful = bool(owners)  # a chunk of KV-shared layers keeps nothing, so it never prefills
             functions = {"infer": io.step(ci, 1)}
-            if stateful:
+            if stateful and f"prefill_b{prefill_batch}" in carried:
                 functions[f"prefill_b{prefill_batch}"] = io.step(ci, prefill_batch)
+            if stateful:
                 for T in sorted(set(kv_batches), reverse=True):
                     functions[f"prefill_kv_b{T}"] = io.kv_only(ci, T)
-            if draft_tokens:
+            if draft_tokens and f"verify_b{draft_tokens + 1}" in carried:
                 functions[f"verify_b{draft_tokens + 1}"] = io.step(ci, draft_tokens + 1, every_row=True)
             chunks.append(
                 Chunk(
@@ -181,6 +203,109 @@ class ChunkPlan:
             chunks=tuple(chunks),
             draft_tokens=draft_tokens,
         )
+
+
+# -- which functions a chunk carries, and what they cost on a device ------------------------------------------
+
+# The function kinds a chunk may carry; `infer` (T=1) is every chunk's, the only one that decodes.
+FUNCTION_KINDS = {"infer": "infer", "prefill": "prefill_b", "prefill_kv": "prefill_kv_b", "verify": "verify_b"}
+_FUNCTION_NAME = re.compile(r"infer|prefill_b\d+|prefill_kv_b\d+|verify_b\d+")
+# Named function sets. phone: the iPhone's Neural Engine compiler has refused stateful multifunction functions with
+# T > 1 (every prefill, KV-only prefill and verify function), and each function loaded wires its own copy of the
+# weights, so a phone bundle carries infer alone; mac: everything the options make (None).
+PROFILES = {"phone": ("infer",), "mac": None}
+# What a loaded function wires, per byte of the chunk's weights: one measurement on an M-series Mac, a 0.69 GB
+# chunk wiring +1.05 GB with one function loaded and +2.09 GB with two (each function its own copy).
+WIRED_PER_WEIGHT_BYTE = 2.09 / 2 / 0.69
+# Program sizes past which devices are reported to fail (MB of weights, 10^6 bytes): the iPhone's Neural Engine
+# compiler accepts ~1 GB per program; ~1.1 GB and more has crashed the ANE service on recent Macs.
+SIZE_LIMITS_MB = {"iPhone ANE compiler": 1000.0, "Mac ANE service": 1100.0}
+
+
+def parse_functions(functions: str | None, profile: str | None) -> tuple[str, ...] | None:
+    """--functions "infer,prefill_kv" or --profile NAME (not both) as the tuple `ChunkPlan.build` takes (None:
+    every function). Names are checked against a plan in `select_functions`; here only their spelling."""
+    if functions is not None and profile is not None:
+        raise ConfigError("--functions and --profile: give one (a profile names a function list)")
+    if profile is not None:
+        if profile not in PROFILES:
+            raise ConfigError(f"--profile {profile!r}: choose {' or '.join(PROFILES)}")
+        return PROFILES[profile]
+    if functions is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in functions.split(",")))
+    check_function_names(names)
+    return names
+
+
+def check_function_names(names) -> None:
+    """Every entry a function kind (`FUNCTION_KINDS`) or a function's name, and `infer` among them."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"--functions {names!r}: expected a list of function names")
+    text = ",".join(names)
+    for n in names:
+        if n not in FUNCTION_KINDS and not _FUNCTION_NAME.fullmatch(n):
+            kinds = ", ".join(FUNCTION_KINDS)
+            raise ConfigError(f"--functions {text}: unknown function {n!r} (kinds: {kinds}; or a name like prefill_b8)")
+    if "infer" not in names:
+        raise ConfigError(f"--functions {text}: every chunk needs infer (decoding runs only through it); add infer")
+
+
+def select_functions(functions, every: list[str]) -> set[str]:
+    """The functions of `every` (all a plan makes) that `functions` selects: by kind or by name; None: all. A name
+    the plan does not make is refused, naming what it makes."""
+    if functions is None:
+        return set(every)
+    check_function_names(functions)
+    carried = set()
+    for n in functions:
+        if n in FUNCTION_KINDS:
+            carried.update(
+                f for f in every if f == n or f.startswith(FUNCTION_KINDS[n]) and f[len(FUNCTION_KINDS[n]) :].isdigit()
+            )
+        elif n in every:
+            carried.add(n)
+        else:
+            raise ConfigError(
+                f"--functions {','.join(functions)}: this plan makes no {n} (it makes {', '.join(every)})"
+            )
+    return carried
+
+
+def device_cost(chunks) -> list[dict]:
+    """For each (name, weight bytes of its program, {function: weight bytes it reads}): its weights, what its
+    functions would wire if each loaded function wires its own copy (`WIRED_PER_WEIGHT_BYTE`), and a warning per
+    chunk whose program exceeds a size limit, naming each it exceeds."""
+    report = []
+    for name, weight, functions in chunks:
+        mb = weight / 1e6
+        over = [f"{limit} (~{cap:g} MB)" for limit, cap in SIZE_LIMITS_MB.items() if mb > cap]
+        warning = f"{name}: {mb:.1f} MB of weights exceeds the per-program limit of the {' and the '.join(over)}"
+        report.append(
+            {
+                "name": name,
+                "functions": list(functions),
+                "weight_mb": round(mb, 1),
+                "wired_mb": round(sum(functions.values()) * WIRED_PER_WEIGHT_BYTE / 1e6, 1),
+                "warning": warning if over else None,
+            }
+        )
+    return report
+
+
+def format_device_cost(cost: list[dict]) -> list[str]:
+    """The `device_cost` report as lines: a chunk each, then a warning line per chunk over a limit."""
+    limits = ", ".join(f"{k} ~{v:g} MB" for k, v in SIZE_LIMITS_MB.items())
+    lines = [f"device cost (each loaded function wires its own copy of the weights; limits per program: {limits}):"]
+    for c in cost:
+        n = len(c["functions"])
+        lines.append(
+            f"  {c['name']}: {c['weight_mb']} MB of weights, {n} function{'s' * (n != 1)} "
+            f"({', '.join(c['functions'])}) wire ~{c['wired_mb']} MB"
+        )
+    total = sum(c["wired_mb"] for c in cost)
+    lines.append(f"  all chunks: ~{total:.1f} MB wired with every function loaded")
+    return lines + [f"warning: {c['warning']}" for c in cost if c["warning"]]
 
 
 MAX_DRAFT_TOKENS = 31  # verify_b32: the rings' 32 extra slots hold one verify batch's rows (ring_slots)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..bundle.plan import ChunkPlan, parse_split, split_for_budget
+from ..bundle.plan import PROFILES, ChunkPlan, format_device_cost, parse_functions, parse_split, split_for_budget
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json
@@ -45,15 +45,19 @@ def _split_of(a, spec: ModelSpec) -> tuple[int, ...] | None:
 
 def cmd_plan(a):
     spec = ModelSpec.from_pretrained(a.src)
-    plan = ChunkPlan.build(spec, a.context, a.prefill_batch, _split_of(a, spec))
-    if a.json:  # the plan, and each chunk's role and weights at --bits
+    functions = parse_functions(a.functions, a.profile)
+    kv = _batches(a.kv_prefill_batches) or ()
+    plan = ChunkPlan.build(spec, a.context, a.prefill_batch, _split_of(a, spec), kv_batches=kv, functions=functions)
+    if a.json:  # the plan, each chunk's role and weights at --bits, and what its functions would wire
         roles = {r["name"]: r for r in plan.describe(a.bits)}
         data = plan.to_json()
         data["bits"] = a.bits
         data["chunks"] = [{**roles[c["name"]], **c} for c in data["chunks"]]
+        data["device_cost"] = plan.device_cost(a.bits)
         print(json.dumps(data, indent=2))
     else:
         print(_plan_table(plan, a.bits))
+        print("\n" + "\n".join(format_device_cost(plan.device_cost(a.bits))))
 
 
 def cmd_tiny(a):
@@ -105,6 +109,8 @@ def cmd_convert(a):
         keep=tuple(a.keep),
         audio=a.audio,
         audio_bits=a.audio_bits,
+        functions=tuple(n.strip() for n in a.functions.split(",")) if a.functions is not None else None,
+        profile=a.profile,
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
@@ -156,6 +162,7 @@ def cmd_inspect(a):
             f"prompt path {name}: {path['macs_per_prompt_token'] / 1e6:.2f} M MACs and "
             f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token"
         )
+    print("\n".join(format_device_cost(report["device_cost"])))
     m = report["manifest"]
     print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
     return 0 if m["verified"] else 1
@@ -186,6 +193,21 @@ def _add_split(s):
     )
 
 
+def _add_functions(s):
+    s.add_argument(
+        "--functions",
+        metavar="LIST",
+        help="the functions every chunk carries: names (infer,prefill_b8,prefill_kv_b64,verify_b4) or kinds "
+        "(infer, prefill, prefill_kv, verify); infer is required (default: all)",
+    )
+    s.add_argument(
+        "--profile",
+        metavar="NAME",
+        help="a named function set: phone (infer only: the iPhone compiler has refused stateful T > 1 "
+        f"functions), mac (all); one of {', '.join(PROFILES)}",
+    )
+
+
 def add_commands(sub) -> None:
     s = sub.add_parser("plan", help="show how the model splits into Core ML chunks")
     s.add_argument("src", help="config.json or checkpoint directory")
@@ -193,6 +215,8 @@ def add_commands(sub) -> None:
     s.add_argument("--prefill-batch", type=int, default=8)
     _add_split(s)
     s.add_argument("--bits", type=int, default=4, help="the weights' bits, for the sizes (16: fp16)")
+    s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes to plan, e.g. 64,8 (default: none)")
+    _add_functions(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
 
@@ -291,6 +315,7 @@ def add_commands(sub) -> None:
         help="convert the checkpoint's audio tower to audio.mlpackage, when it has one (default: yes)",
     )
     s.add_argument("--audio-bits", type=int, default=8, help="the audio model's weights: 4, 6, 8 or 16 (default 8)")
+    _add_functions(s)
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")

@@ -169,6 +169,7 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
             head="token_id" if options.layout == "published" else "logits",
             kv_batches=kv,
             draft_tokens=options.draft_tokens if options.assistant else 0,
+            functions=options.carried,
         )
     except ConfigError as e:
         raise ConvertError(str(e)) from None

@@ -9,7 +9,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..bundle.plan import MAX_DRAFT_TOKENS
+from ..bundle.plan import MAX_DRAFT_TOKENS, PROFILES, check_function_names
+from ..bundle.spec import ConfigError
 from ..errors import ConversionError
 from ..files import stop_point
 from ..runtime.audio import MAX_SECONDS
@@ -62,6 +63,15 @@ class ConvertOptions:
     audio: bool = True
     audio_bits: int = 8
     audio_seconds: tuple[float, ...] = AUDIO_BUCKET_SECONDS
+    # which functions every chunk carries (bundle.plan.select_functions: names like prefill_b8, or kinds: infer,
+    # prefill, prefill_kv, verify), or a named set (`profile`: phone, mac); neither: everything the options make
+    functions: tuple[str, ...] | None = None
+    profile: str | None = None
+
+    @property
+    def carried(self) -> tuple[str, ...] | None:
+        """The function list ChunkPlan.build takes: `functions`, or the profile's (None: every function)."""
+        return PROFILES[self.profile] if self.profile is not None else self.functions
 
     def check(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -77,6 +87,7 @@ class ConvertOptions:
                 raise ConvertError(f"--keep {pattern!r}: not a regular expression ({e})") from None
         if self.layout not in ("ours", "published"):
             raise ConvertError(f"--layout {self.layout!r}: choose ours or published")
+        self._check_functions()
         if self.group_size < 1:
             raise ConvertError(f"--group-size {self.group_size}: must be >= 1")
         if self.compile and platform.system() != "Darwin":
@@ -104,6 +115,20 @@ class ConvertOptions:
         if not all(0 < s <= MAX_SECONDS for s in seconds):
             raise ConvertError(f"audio_seconds={list(seconds)}: each must be in (0, {MAX_SECONDS:g}] seconds")
 
+    def _check_functions(self) -> None:
+        if self.functions is not None and self.profile is not None:
+            raise ConvertError("--functions and --profile: give one (a profile names a function list)")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise ConvertError(f"--profile {self.profile!r}: choose {' or '.join(PROFILES)}")
+        if self.functions is not None:
+            try:
+                check_function_names(self.functions)
+            except ConfigError as e:
+                raise ConvertError(str(e)) from None
+        if self.layout == "published" and (self.functions is not None or self.profile is not None):
+            what = "--functions" if self.functions is not None else f"--profile {self.profile}"
+            raise ConvertError(f"{what}: the published layout's functions are fixed (infer, prefill_b8); use ours")
+
     def kept(self, name: str) -> bool:
         """Whether the weight so named stays fp16: a --keep pattern found in its name as traced (the checkpoint's
         spelling, "layers.0.self_attn.o_proj.weight_to_fp16") or as saved and shown by inspect
@@ -115,7 +140,7 @@ class ConvertOptions:
         defaults, so a bundle converted with the defaults stays byte-identical to one converted before they
         existed."""
         record = dataclasses.asdict(self)
-        for name in ("quant", "keep", "audio", "audio_bits", "audio_seconds"):
+        for name in ("quant", "keep", "audio", "audio_bits", "audio_seconds", "functions", "profile"):
             if record[name] == _DEFAULTS[name]:
                 del record[name]
         return record

@@ -247,6 +247,32 @@ def open_chunks(
     return [CoreMLBackend(p, compute_units) for p in paths]
 
 
+def carried_together(chunks: list[ChunkBackend]) -> None:
+    """Keep only the functions every chunk that needs them carries, with one warning for the rest: a prompt function
+    (`prefill_b{T}`, `prefill_kv_b{T}`) runs through every stateful chunk, a `verify_b{T}` through every chunk, so one
+    some of them lack (a bundle converted elsewhere, or a chunk swapped for another's) would fail mid-prompt.
+    Its prompt path degrades to the next (prefill_b8 -> infer one token at a time), never to an error. A bundle
+    that carries no batched prompt function at all (`--profile phone`) says so once too: its prompts are slow."""
+    stateful = [c for c in chunks if c.interfaces["infer"]["states"]]
+    optional = dict.fromkeys(f for c in chunks for f in c.interfaces if f != "infer")
+    for function in optional:
+        needs = chunks if function.startswith("verify_b") else stateful
+        lacking = [c.name for c in needs if function not in c.interfaces]
+        if not lacking:
+            continue
+        for c in chunks:
+            c.interfaces = {f: io for f, io in c.interfaces.items() if f != function}
+        path = "decoding runs without drafts" if function.startswith("verify_b") else "prompts run without it"
+        warnings.warn(f"{', '.join(lacking)}: no function {function!r}; {path}", RuntimeWarning, stacklevel=3)
+    if stateful and not any(f.startswith("prefill_") for f in stateful[0].interfaces):
+        warnings.warn(
+            f"{stateful[0].name}: no batched prompt function (prefill_b*, prefill_kv_b*); prompts run through infer "
+            "one token at a time",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def open_engine(
     root: str | Path,
     backend: str = "mil",
@@ -268,6 +294,7 @@ def open_engine(
         last = layout.chunk_name(expected - 1)
         raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
     chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
+    carried_together(chunks)
     # a ring padded for verify batches is wider than the window, which only the config states
     try:
         engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))

@@ -508,6 +508,8 @@ class Model:
             raise InputError(f"draft_tokens={k!r}: expected a non-negative integer")
         most = self.capabilities.max_draft_tokens
         if k and not most and not self.drafts_unavailable:
+            if self.drafter is not None:  # converted with --functions (or --profile) leaving verify out
+                raise InputError(f"draft_tokens={k}: this bundle's chunks carry no verify function to check drafts")
             raise InputError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
         if k > most and not self.drafts_unavailable:
             raise InputError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
