@@ -1,9 +1,11 @@
 """Choosing the next token from chunk_3's logits (fp32, numpy).
 
 Order, as in transformers and llama.cpp: the logits processors (make_logits_processors: penalties on the raw
-logits, then OpenAI's logit bias, then the runtime's bans), then temperature, then the truncations (top-k, top-p,
-min-p), then a draw. Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which
-is what OpenAI-style clients expect.
+logits, then OpenAI's logit bias, then the runtime's bans, then the grammar mask), then the sampler chain
+(make_sampler: temperature, then the truncations top-k, top-p, min-p), then a draw: mlx-lm's make_logits_processors /
+make_sampler shape, over numpy and chunk_3's fp16 logits (Sampler keeps the fast path that never converts the whole
+row). Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which is what
+OpenAI-style clients expect.
 """
 
 from __future__ import annotations
