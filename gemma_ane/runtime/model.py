@@ -38,7 +38,7 @@ from .encoder import expand_media, media_sources, open_audio_encoder, open_image
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .events import Event, Result, Stats
 from .images import MAX_PIXELS, ImageError
-from .sampling import BAN, Sampler, SamplingError, SamplingParams
+from .sampling import BAN, GrammarMask, Sampler, SamplingError, SamplingParams
 from .tokens import (
     BOS,
     EOS,
@@ -351,11 +351,12 @@ class Model:
         parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
-        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.rule.bans), _Speculation()
+        rule, history = request.rule, [t for t in ids if t >= 0]
+        sampler, spec = Sampler(params, history, bans=rule.bans, grammar=rule.grammar()), _Speculation()
         steps = (
             self._speculative_generate_step(logits, sampler, request.drafts, max_tokens, spec)
             if request.drafts
-            else self._generate_step(logits, sampler, request.rule)
+            else self._generate_step(logits, sampler)
         )
         generated, finish, t_first = 0, None, None
         # the published head returns the chosen id only: no distribution to report
@@ -408,15 +409,11 @@ class Model:
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
         )
 
-    def _generate_step(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[Step]:
+    def _generate_step(self, logits, sampler: Sampler) -> Iterator[Step]:
         """Plain decoding's steps: a token and the logits it was drawn from, one chunk call per token."""
-        constraint = rule.constraint
         while True:
-            token = self._pick(sampler, logits) if constraint is None else self._allowed_pick(sampler, logits, rule)
-            if constraint is not None:
-                constraint.advance(token)
-                rule.steps += 1
-            sampler.observe(token)
+            token = self._pick(sampler, logits)
+            sampler.observe(token)  # the grammar's state follows it too
             yield Step(token, logits)
             logits = self.engine.feed([token])[-1]
 
@@ -528,17 +525,6 @@ class Model:
         tokenizer = self.root / layout.HF_TOKENIZER
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
-    def _allowed_pick(self, sampler: Sampler, logits, rule: _Rule) -> int:
-        """A token the grammar takes and logit_bias does not ban, never another: a token of llguidance's mask
-        that its parser then refuses is masked out too and the draw repeated; none left is `rule`'s error."""
-        allowed = rule.constraint.allowed(rule.banned)
-        while allowed.any():
-            token = self._pick(sampler, rule.constraint.mask(logits, allowed))
-            if allowed[token] and rule.constraint.legal(token):
-                return token
-            allowed[token] = False
-        raise rule.no_token()
-
     def check_constraints(
         self,
         tools=None,
@@ -587,7 +573,8 @@ class Model:
 
 class _Rule:
     """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias and
-    `bans` ban (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
+    `bans` ban (tool_choice "none" bans <|tool_call>), checked when the request is built; the sampler's processors
+    (`bans`, the `grammar()` mask) enforce it. An empty choice is refused, never a NaN or a forbidden draw."""
 
     def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
         self.constraint, self.vocab, self.choice = constraint, vocab, choice
@@ -595,7 +582,10 @@ class _Rule:
         banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | set(self.bans)
         self.banned = np.array(sorted(banned), np.int64)
         self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
-        self.steps = 0
+
+    def grammar(self) -> GrammarMask | None:
+        """The grammar's mask, the last logits processor of this generation's sampler, or None without a grammar."""
+        return None if self.constraint is None else GrammarMask(self.constraint, self.banned, self.no_token)
 
     def check_start(self) -> None:
         """Refuses a generation whose first draw would have no token, before anything runs."""
@@ -609,9 +599,10 @@ class _Rule:
         if not any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed(self.banned)))):
             raise self.no_token()
 
-    def no_token(self) -> ValueError:
-        """The error for a draw without a token: logit_bias's when it banned them all, else the grammar's."""
-        where = f"after {self.steps} token{'s' * (self.steps > 1)}" if self.steps else "at the start"
+    def no_token(self, steps: int = 0) -> ValueError:
+        """The error for a draw without a token after `steps` tokens: logit_bias's when it banned them all, else the
+        grammar's."""
+        where = f"after {steps} token{'s' * (steps > 1)}" if steps else "at the start"
         if len(self.banned) and any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed()))):
             what = f"{self.field} {self.choice!r}" if self.field == "tool_choice" else self.field
             return SamplingError(f"logit_bias: it bans every token {what} allows {where}", param="logit_bias")

@@ -1,9 +1,11 @@
 """Choosing the next token from chunk_3's logits (fp32, numpy).
 
 Order, as in transformers and llama.cpp: the logits processors (make_logits_processors: penalties on the raw
-logits, then OpenAI's logit bias, then the runtime's bans), then temperature, then the truncations (top-k, top-p,
-min-p), then a draw. Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which
-is what OpenAI-style clients expect.
+logits, then OpenAI's logit bias, then the runtime's bans, then the grammar mask), then the sampler chain
+(make_sampler: temperature, then the truncations top-k, top-p, min-p), then a draw: mlx-lm's make_logits_processors /
+make_sampler shape, over numpy and chunk_3's fp16 logits (Sampler keeps the fast path that never converts the whole
+row). Logprobs are reported from the model's own distribution (log-softmax of the raw logits), which is what
+OpenAI-style clients expect.
 """
 
 from __future__ import annotations
@@ -207,16 +209,17 @@ class Proposal:
         return int(self.ids[min(int(np.searchsorted(c, u, side="right")), len(c) - 1)])
 
 
-# -- logits processors: the chain make_logits_processors builds, applied before the sampler draws -------------------
+# -- logits processors: the chain make_logits_processors builds, applied before the sampler chain ------------------
 
 
 class Processor(abc.ABC):
     """One logits processor of the chain: it changes the fp32 logits of some tokens only, `ids` (sorted) or, when
     `seen` is set, the tokens seen so far, given each one's count; `__call__(ids, x, counts)` returns the logits `x`
     of the tokens `ids` (a superset of its own) changed. Sparse, so the fp16 fast path converts only the tokens some
-    processor touches."""
+    processor touches. A `dense` one (the grammar mask) may change any token: `row` applies it to a whole row."""
 
     seen = False
+    dense = False
     ids = np.zeros(0, np.int64)
 
     @abc.abstractmethod
@@ -271,9 +274,49 @@ class Ban(LogitBias):
         super().__init__({int(t): BAN for t in tokens})
 
 
-def make_logits_processors(params: SamplingParams, bans=()) -> list[Processor]:
+class GrammarMask(Processor):
+    """Constrained decoding's mask (a grammar.Constraint's): every token the grammar does not take now at -inf, and
+    `banned` (logit_bias's bans, the runtime's) never allowed, so that a step with no token left is seen here and
+    refused by `no_token(steps)`'s error, never drawn. Its state follows the output: `advance` consumes each token
+    emitted, `refuse` drops one llguidance's mask holds but its parser then refuses (the sampler draws again)."""
+
+    dense = True
+
+    def __init__(self, constraint, banned, no_token):
+        self.constraint, self.banned, self.no_token = constraint, np.asarray(banned, np.int64), no_token
+        self.steps, self._allowed = 0, None
+
+    @property
+    def allowed(self) -> np.ndarray:
+        """A bool per token: may the next draw take it? Computed once a step (the mask is most of a step's cost)."""
+        if self._allowed is None:
+            self._allowed = self.constraint.allowed(self.banned)
+        return self._allowed
+
+    def __call__(self, ids, x, counts):
+        return np.where(self.allowed[ids], x, np.float32(-np.inf)).astype(np.float32)
+
+    def row(self, logits: np.ndarray) -> np.ndarray:
+        """A masked copy of a whole row, fp16 or fp32 (the caller's stays the model's distribution)."""
+        return self.constraint.mask(logits, self.allowed)
+
+    def takes(self, token: int) -> bool:
+        """Does the grammar take `token` now? If not, it is masked out of this step's draws."""
+        if self.allowed[token] and self.constraint.legal(token):
+            return True
+        self.allowed[token] = False
+        return False
+
+    def advance(self, token: int) -> None:
+        self.constraint.advance(token)
+        self.steps += 1
+        self._allowed = None
+
+
+def make_logits_processors(params: SamplingParams, bans=(), grammar: GrammarMask | None = None) -> list[Processor]:
     """The processors `params` ask for, in order: repetition penalty, presence and frequency penalties, logit bias,
-    then `bans` (the runtime's own: tool_choice "none"). None when nothing changes a logit: the fast path's case."""
+    then the runtime's own: `bans` (tool_choice "none"), then `grammar`'s mask. Empty when nothing changes a logit:
+    the fast path's case."""
     p, out = params, []
     if p.repetition_penalty != 1.0:
         out.append(RepetitionPenalty(p.repetition_penalty))
@@ -283,33 +326,161 @@ def make_logits_processors(params: SamplingParams, bans=()) -> list[Processor]:
         out.append(LogitBias(p.logit_bias))
     if len(bans):
         out.append(Ban(bans))
+    if grammar is not None:
+        out.append(grammar)
+    return out
+
+
+# -- the sampler chain: make_sampler builds it, each step narrowing the distribution the draw is made from ----------
+
+
+class Candidates:
+    """The distribution a draw is made from, as the sampler chain narrows it: the fp32 logits `x` of the tokens `ids`
+    (None: of every token, by id; else of the candidates, most likely first) at `temperature`. `p`, computed when a
+    step asks for it: the candidates' probabilities under the distribution they were cut from (top-k's renormalised
+    one, or the whole vocabulary's), which the cuts after it keep as they are (transformers' warpers cut the same
+    ranking) and the draw renormalises."""
+
+    def __init__(self, x: np.ndarray, ids: np.ndarray | None = None, temperature: float = 1.0, p=None):
+        self.x, self.ids, self.temperature, self._p = x, ids, np.float32(temperature), p
+
+    @property
+    def p(self) -> np.ndarray:
+        if self._p is None:
+            top = self.x.max() if self.ids is None else self.x[0]
+            w = np.exp(((self.x - top) / self.temperature).astype(np.float64))
+            self._p = w / w.sum()
+        return self._p
+
+    def cut(self, keep) -> Candidates:
+        """The candidates `keep` (a slice or a mask) selects, their probabilities as they were."""
+        return Candidates(self.x[keep], self.ids[keep], self.temperature, self.p[keep])
+
+    def head(self, enough) -> Candidates:
+        """The most likely tokens of the whole vocabulary, as many as `enough(probs)` (shown their probabilities,
+        largest first) needs: the candidate set grows until it says so, so the vocabulary is never sorted."""
+        x, t = self.x, self.temperature
+        m = x.max()
+        total = np.exp(((x - m) / t).astype(np.float64)).sum()
+        n = 64
+        while True:
+            cand = top_indices(x, min(n, len(x)))
+            probs = np.exp(((x[cand] - m) / t).astype(np.float64)) / total
+            if enough(probs) or len(cand) == len(x):
+                return Candidates(x[cand], cand, t, probs)
+            n *= 4
+
+    def distribution(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, probabilities) of the draw."""
+        if self.ids is None:  # nothing cut: one normalisation over the vocabulary
+            return np.arange(len(self.x)), self.p
+        return self.ids, self.p / self.p.sum()
+
+
+class Temperature:
+    """Divides the logits by t: the probabilities every cut after it sees are softmax(x / t)'s."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self, c: Candidates) -> Candidates:
+        return Candidates(c.x, c.ids, self.t)
+
+
+class TopK:
+    """The k most likely tokens, ties by lower id; the distribution renormalised over them (as transformers)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, c: Candidates) -> Candidates:
+        if c.ids is None:
+            cand = top_indices(c.x, min(self.k, len(c.x)))
+            return Candidates(c.x[cand], cand, c.temperature)
+        return Candidates(c.x[: self.k], c.ids[: self.k], c.temperature)
+
+
+class TopP:
+    """The fewest most likely tokens whose probability reaches top_p."""
+
+    def __init__(self, top_p: float):
+        self.top_p = top_p
+
+    def __call__(self, c: Candidates) -> Candidates:
+        if c.ids is None:
+            c = c.head(lambda probs: probs.sum() >= self.top_p)
+        return c.cut(slice(int(np.searchsorted(np.cumsum(c.p), self.top_p)) + 1))
+
+
+class MinP:
+    """The tokens at least min_p times as likely as the most likely one."""
+
+    def __init__(self, min_p: float):
+        self.min_p = min_p
+
+    def __call__(self, c: Candidates) -> Candidates:
+        if c.ids is None:
+            c = c.head(lambda probs: probs[-1] < self.min_p * probs[0])
+        return c.cut(c.p >= self.min_p * c.p[0])
+
+
+def make_sampler(params: SamplingParams) -> list:
+    """The sampler chain `params` ask for, in transformers' order: temperature, then the cuts, top-k, top-p and min-p,
+    each on the distribution the steps before it leave. Only the steps that change it; greedy decoding (temperature
+    0 or top-k 1) is top-k 1 alone, the argmax."""
+    p = params
+    if p.temperature == 0.0 or p.top_k == 1:
+        return [TopK(1)]
+    out = [Temperature(p.temperature)] if p.temperature != 1.0 else []
+    if p.top_k:
+        out.append(TopK(p.top_k))
+    if p.top_p < 1.0:
+        out.append(TopP(p.top_p))
+    if p.min_p > 0:
+        out.append(MinP(p.min_p))
     return out
 
 
 class Sampler:
-    """Holds the random stream and the token counts: one Sampler per generation, so a seed
-    reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
+    """One generation's draws: the logits processors (make_logits_processors) then the sampler chain (make_sampler)
+    on chunk_3's logits, and a draw. Holds the random stream and the token counts: one Sampler per generation, so a
+    seed reproduces a whole run, and penalties and bias cost O(distinct tokens they touch) per step."""
 
-    def __init__(self, params: SamplingParams, history=(), bans=()):
+    def __init__(self, params: SamplingParams, history=(), bans=(), grammar: GrammarMask | None = None):
         self.p = params.validate()
         # numpy takes non-negative seeds only: a signed one maps to its 64-bit two's complement, one to one
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: dict[int, int] = {}
-        self.processors = make_logits_processors(self.p, bans)
-        self._penalties = any(q.seen for q in self.processors)
-        fixed = [q.ids for q in self.processors if not q.seen]
+        self.processors = make_logits_processors(self.p, bans, grammar)
+        sparse = [q for q in self.processors if not q.dense]
+        self._dense = [q for q in self.processors if q.dense]
+        self.grammar = next((q for q in self._dense if isinstance(q, GrammarMask)), None)
+        self._penalties = any(q.seen for q in sparse)
+        fixed = [q.ids for q in sparse if not q.seen]
         self._fixed = np.unique(np.concatenate(fixed)) if fixed else np.zeros(0, np.int64)
         self._arrays = None
+        self.steps = make_sampler(self.p)
+        # The fp16 fast path's top-k: when the chain's first cut is top-k (the steps before it only rescale, which
+        # keeps the ranking), its candidates are found on the raw fp16 row; 0 when it is not.
+        first = next((i for i, s in enumerate(self.steps) if not isinstance(s, Temperature)), len(self.steps))
+        self._k = self.steps[first].k if first < len(self.steps) and isinstance(self.steps[first], TopK) else 0
+        self._rescale, self._after = self.steps[:first], self.steps[first + 1 :]
         for t in history:
-            self.observe(t)
+            self._count(t)
 
-    def observe(self, token: int) -> None:
+    def _count(self, token: int) -> None:
         self.counts[int(token)] = self.counts.get(int(token), 0) + 1
         if self._penalties:
             self._arrays = None
 
+    def observe(self, token: int) -> None:
+        """`token` was emitted: counted for the penalties, consumed by the grammar."""
+        self._count(token)
+        if self.grammar is not None:
+            self.grammar.advance(token)
+
     def _touched(self, vocab: int):
-        """(ids, counts) of the tokens whose logits the processors change (counts 0: biased or banned but
+        """(ids, counts) of the tokens whose logits the sparse processors change (counts 0: biased or banned but
         unseen), or None when they change none."""
         fixed = self._fixed
         if len(fixed) and fixed[-1] >= vocab:
@@ -328,18 +499,20 @@ class Sampler:
         return self._arrays
 
     def _apply(self, ids: np.ndarray, x: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """The processors in turn, on the fp32 logits `x` of the touched tokens `ids`."""
+        """The processors in turn, on the fp32 logits `x` of the tokens `ids`."""
         for processor in self.processors:
             x = processor(ids, x, counts)
         return x.astype(np.float32)
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
-        """The processors (penalties over every token seen so far, logit bias, bans) on fp32 logits.
-        Modifies and returns `logits`."""
+        """The processors (penalties over every token seen so far, logit bias, bans, the grammar mask) on fp32
+        logits, `logits` modified in place unless a dense processor copies it; returns the result."""
         touched = self._touched(len(logits))
         if touched is not None:
             ids, counts = touched
             logits[ids] = self._apply(ids, logits[ids], counts)
+        for processor in self._dense:  # the rest of the row, which only they change
+            logits = processor.row(logits)
         return logits
 
     @property
@@ -347,16 +520,29 @@ class Sampler:
         return self.p.temperature == 0.0 or self.p.top_k == 1
 
     def sample(self, logits: np.ndarray) -> int:
-        """The next token id from chunk_3's raw logits (fp16 or fp32; not modified).
+        """The next token id from chunk_3's raw logits (fp16 or fp32; not modified). With a grammar, a token its
+        mask holds but its parser refuses is masked out and the draw repeated; none left is its `no_token` error."""
+        grammar = self.grammar
+        if grammar is None:
+            return self._sample(logits)
+        while grammar.allowed.any():
+            token = self._sample(logits)
+            if grammar.takes(token):
+                return token
+        raise grammar.no_token(grammar.steps)
+
+    def _sample(self, logits: np.ndarray) -> int:
+        """One draw through the processors and the sampler chain.
 
         fp16 logits with greedy or top-k decoding never get converted whole: candidates are picked
         on an integer key that orders fp16 values exactly, and only they and the penalised or
         biased tokens are converted to fp32. The result is the one the fp32 path gives, draw for draw."""
-        p = self.p
         touched = self._touched(len(logits))
-        k, n_touched = (1 if self.greedy else p.top_k), (0 if touched is None else len(touched[0]))
+        k, n_touched = self._k, (0 if touched is None else len(touched[0]))
         if logits.dtype != np.float16 or not k or k + n_touched >= len(logits):
             return self.choose(self.adjust(np.array(logits, np.float32)))
+        for processor in self._dense:  # first: -inf is a fixed point of every other processor, so as if last
+            logits = processor.row(logits)
         key = _order_key(logits)
         if touched is not None:
             key[touched[0]] = np.iinfo(np.int16).min  # judged below on their adjusted fp32 values
@@ -368,7 +554,12 @@ class Sampler:
             vals = np.concatenate([vals, self._apply(ids, logits[ids].astype(np.float32), counts)])
             order = np.lexsort((cand, -vals))[:k]
             cand, vals = cand[order], vals[order]
-        return int(cand[0]) if self.greedy else self._pick(*self._top_k(cand, vals))
+        if self.greedy:
+            return int(cand[0])
+        c = Candidates(vals, cand)
+        for step in self._rescale + self._after:  # top-k's own work done above
+            c = step(c)
+        return self._pick(*c.distribution())
 
     def choose(self, logits: np.ndarray) -> int:
         """The next token id from (already adjusted) float32 logits: a draw from `distribution`."""
@@ -401,48 +592,11 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, probabilities) the next token is drawn from, given (already adjusted) float32
-        logits: temperature, then top-k, top-p and min-p. Greedy decoding gives the argmax alone."""
-        p = self.p
-        if self.greedy:
-            return np.array([np.argmax(logits)]), np.ones(1)
-        if p.top_k:  # as transformers: top-p and min-p then act on the renormalised top-k
-            cand = top_indices(logits, min(p.top_k, len(logits)))
-            return self._top_k(cand, logits[cand])
-        t = np.float32(p.temperature)
-        m = logits.max()
-        if p.top_p < 1.0 or p.min_p > 0:
-            # Never sort the whole vocabulary: both truncations only keep tokens near the top, so
-            # grow the candidate set until it holds the top-p mass or reaches below the min-p floor.
-            total = np.exp(((logits - m) / t).astype(np.float64)).sum()
-            n = 64
-            while True:
-                cand = top_indices(logits, min(n, len(logits)))
-                probs = np.exp(((logits[cand] - m) / t).astype(np.float64)) / total
-                done_p = p.top_p < 1.0 and probs.sum() >= p.top_p
-                done_min = p.min_p > 0 and probs[-1] < p.min_p * probs[0]
-                if done_p or done_min or len(cand) == len(logits):
-                    break
-                n *= 4
-            return self._truncate(cand, probs)
-        probs = np.exp(((logits - m) / t).astype(np.float64))
-        return np.arange(len(logits)), probs / probs.sum()
-
-    def _top_k(self, cand: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distribution over the top-k candidates (largest first) and their fp32 logits."""
-        t = np.float32(self.p.temperature)
-        probs = np.exp(((vals - vals[0]) / t).astype(np.float64))
-        return self._truncate(cand, probs / probs.sum())
-
-    def _truncate(self, cand: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-p, then min-p, over candidates largest first; the survivors' probabilities renormalised."""
-        p = self.p
-        if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            cand, probs = cand[:keep], probs[:keep]
-        if p.min_p > 0:
-            keep = probs >= p.min_p * probs[0]
-            cand, probs = cand[keep], probs[keep]
-        return cand, probs / probs.sum()
+        logits: the sampler chain's. Greedy decoding gives the argmax alone."""
+        c = Candidates(logits)
+        for step in self.steps:
+            c = step(c)
+        return c.distribution()
 
     def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
         return int(ids[self.rng.choice(len(ids), p=probs)])
