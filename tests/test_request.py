@@ -100,7 +100,7 @@ def test_the_server_queues_a_prepared_request(model, monkeypatch):
 def test_the_servers_modules_stand_behind_the_runtimes_walls():
     from test_walls import CONVERTER_SIDE, imports
 
-    for module in ("server_request", "server_response", "server_worker", "events", "gemma4"):
+    for module in ("server.request", "server.response", "server.worker", "runtime.events", "runtime.gemma4"):
         banned = imports(module) & ({"torch", "transformers"} | {f"gemma_ane.{m}" for m in CONVERTER_SIDE})
         assert not banned, f"{module}.py imports {sorted(banned)}"
 

@@ -187,12 +187,12 @@ def test_without_the_ring_pad_rejected_rows_evict_what_later_positions_read(grap
     """The control for the pad: rings of exactly the window (16 slots, as the published layout's), the same drafts
     and rejections. A verify call's rows then overwrite positions the next accepted ones still attend to, and the
     output departs from plain decoding's; with the pad it keeps its tokens and their log-probabilities."""
-    import gemma_ane.bundle.spec
+    import gemma_ane.bundle.plan
 
     root, ckpt, _, _ = graph
     wrong = range(13, CONTEXT + 4, 3)
     padded = drafted(graph, reference, wrong, logprobs=0)[0]
-    monkeypatch.setattr(gemma_ane.bundle.spec, "ring_slots", lambda window, draft_tokens=0, kv_batches=(): window)
+    monkeypatch.setattr(gemma_ane.bundle.plan, "ring_slots", lambda window, draft_tokens=0, kv_batches=(): window)
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8, kv_batches=(8,), draft_tokens=K)
     assert plan.ring == 16
     unpadded = (root, ckpt, plan, [TorchChunk(m) for m in build_chunks(plan, ckpt, torch.float32)])
