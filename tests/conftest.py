@@ -25,6 +25,7 @@ CONVERTING = {
     "bundle16",
     "bundle4",
     "gqa16",
+    "e4b_bundle16",
 }
 
 
@@ -80,6 +81,12 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "gqa", preset="gqa-mini")
+
+
+@pytest.fixture(scope="session")
+def tiny_e4b(tmp_path_factory) -> Path:
+    """e4b-mini: E4B's structure (two KV heads, no double-wide MLP) at tiny size."""
+    return _tiny(tmp_path_factory, "e4b", preset="e4b-mini")
 
 
 @pytest.fixture(scope="session")
@@ -180,5 +187,15 @@ def demo_bundle16(demo_ckpt, tmp_path_factory) -> Path:
     """The demo checkpoint converted as the demo converts it: 16-bit, a context of 512 (a tool declaration fits)."""
     return (
         built_once(tmp_path_factory, "demo_bundle16", lambda d: _convert(demo_ckpt, d / "bundle", bits=16, context=512))
+        / "bundle"
+    )
+
+
+@pytest.fixture(scope="session")
+def e4b_bundle16(tiny_e4b, tmp_path_factory) -> Path:
+    """e4b-mini at 16 bits in the default three chunks, a context of 256: test_e4b's bundle, and test_nchunks'
+    three-chunk one (whose split is the default)."""
+    return (
+        built_once(tmp_path_factory, "e4b_bundle16", lambda d: _convert(tiny_e4b, d / "bundle", bits=16, context=256))
         / "bundle"
     )
