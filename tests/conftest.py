@@ -1,6 +1,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,15 +167,31 @@ def tiny_bundle4(tiny_e2b, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "bundle4", lambda d: _convert(tiny_e2b, d / "bundle", bits=4)) / "bundle"
 
 
+def _convert_fresh(src: Path, out: Path, **options) -> None:
+    """_convert in a fresh process: a test that installed the Core ML stand-in (tests/coreml_standin.py) leaves
+    coremltools' state in its worker changed, which changes a saved model.mlmodel, and test_byte_identity hashes
+    the bundles built this way against the recorded ones."""
+    code = "import json, sys; from pathlib import Path; from conftest import _convert; "
+    code += "_convert(Path(sys.argv[1]), Path(sys.argv[2]), **json.loads(sys.argv[3]))"
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(out), json.dumps(options)],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
-    """The published layout (argmax head, no KV-only prefill, no manifest) at the 16-bit bundle's options."""
-    return (
-        built_once(
-            tmp_path_factory, "published", lambda d: _convert(tiny_e2b, d / "bundle", bits=16, layout="published")
-        )
-        / "bundle"
-    )
+    """The published layout (argmax head, no KV-only prefill, no manifest) at the 16-bit bundle's options, as
+    tests/bundle_hashes.py converts its e2b-mini-published case (force=True, a fresh process): test_byte_identity
+    hashes this one."""
+
+    def build(d: Path):
+        _convert_fresh(tiny_e2b, d / "bundle", bits=16, layout="published", force=True)
+
+    return built_once(tmp_path_factory, "published", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
