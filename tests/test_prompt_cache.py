@@ -8,7 +8,7 @@ import pytest
 from margins import assert_same_greedy, recorded_rows
 
 import gemma_ane
-from gemma_ane.prompt_cache import PromptCacheError
+from gemma_ane.runtime.prompt_cache import PromptCacheError
 
 SYSTEM = "You are a careful assistant who answers every question about foxes, rivers and old towns briefly."
 KW = dict(temperature=0, repetition_penalty=2.0, logprobs=3, max_tokens=10)

@@ -9,7 +9,7 @@ from margins import assert_greedy_prefix, recorded_rows
 
 import gemma_ane
 from gemma_ane.bundle import BundleError
-from gemma_ane.host import rotated_pairs
+from gemma_ane.bundle.host import rotated_pairs
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
