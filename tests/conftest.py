@@ -1,6 +1,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ CONVERTING = {
     "bundle16",
     "bundle4",
     "gqa16",
+    "e4b_bundle16",
 }
 
 
@@ -80,6 +83,12 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "gqa", preset="gqa-mini")
+
+
+@pytest.fixture(scope="session")
+def tiny_e4b(tmp_path_factory) -> Path:
+    """e4b-mini: E4B's structure (two KV heads, no double-wide MLP) at tiny size."""
+    return _tiny(tmp_path_factory, "e4b", preset="e4b-mini")
 
 
 @pytest.fixture(scope="session")
@@ -158,15 +167,31 @@ def tiny_bundle4(tiny_e2b, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "bundle4", lambda d: _convert(tiny_e2b, d / "bundle", bits=4)) / "bundle"
 
 
+def _convert_fresh(src: Path, out: Path, **options) -> None:
+    """_convert in a fresh process: a test that installed the Core ML stand-in (tests/coreml_standin.py) leaves
+    coremltools' state in its worker changed, which changes a saved model.mlmodel, and test_byte_identity hashes
+    the bundles built this way against the recorded ones."""
+    code = "import json, sys; from pathlib import Path; from conftest import _convert; "
+    code += "_convert(Path(sys.argv[1]), Path(sys.argv[2]), **json.loads(sys.argv[3]))"
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(out), json.dumps(options)],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
-    """The published layout (argmax head, no KV-only prefill, no manifest) at the 16-bit bundle's options."""
-    return (
-        built_once(
-            tmp_path_factory, "published", lambda d: _convert(tiny_e2b, d / "bundle", bits=16, layout="published")
-        )
-        / "bundle"
-    )
+    """The published layout (argmax head, no KV-only prefill, no manifest) at the 16-bit bundle's options, as
+    tests/bundle_hashes.py converts its e2b-mini-published case (force=True, a fresh process): test_byte_identity
+    hashes this one."""
+
+    def build(d: Path):
+        _convert_fresh(tiny_e2b, d / "bundle", bits=16, layout="published", force=True)
+
+    return built_once(tmp_path_factory, "published", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
@@ -180,5 +205,15 @@ def demo_bundle16(demo_ckpt, tmp_path_factory) -> Path:
     """The demo checkpoint converted as the demo converts it: 16-bit, a context of 512 (a tool declaration fits)."""
     return (
         built_once(tmp_path_factory, "demo_bundle16", lambda d: _convert(demo_ckpt, d / "bundle", bits=16, context=512))
+        / "bundle"
+    )
+
+
+@pytest.fixture(scope="session")
+def e4b_bundle16(tiny_e4b, tmp_path_factory) -> Path:
+    """e4b-mini at 16 bits in the default three chunks, a context of 256: test_e4b's bundle, and test_nchunks'
+    three-chunk one (whose split is the default)."""
+    return (
+        built_once(tmp_path_factory, "e4b_bundle16", lambda d: _convert(tiny_e4b, d / "bundle", bits=16, context=256))
         / "bundle"
     )

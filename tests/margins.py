@@ -10,6 +10,8 @@ top): a wrong logit row fails either way, a tie never does. A greedy sequence is
 whose reference margin is a near-tie (after it, the two runs continue from different, equally valid tokens), and
 the caller states how many steps must have been compared for the test to mean something."""
 
+from contextlib import contextmanager
+
 import numpy as np
 
 
@@ -78,3 +80,48 @@ def repetition_penalised(rows, history, generated, penalty: float) -> np.ndarray
         seen = np.unique(np.asarray(list(history) + list(generated[:i]), np.int64))
         row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
     return out
+
+
+@contextmanager
+def recorded_rows(engine):
+    """Yields a list that fills with the logit rows generation on `engine` chooses its tokens from: the prompt's
+    last row (engine.prompt) and the row of each token fed after it, as float64 (the published head has none)."""
+    rows, prompt, feed, inside = [], engine.prompt, engine.feed, []
+
+    def recording_prompt(*args, **kw):
+        inside.append(1)
+        try:
+            reused, logits = prompt(*args, **kw)
+        finally:
+            inside.pop()
+        rows.append(np.asarray(logits, np.float64).ravel())
+        return reused, logits
+
+    def recording_feed(ids, **kw):
+        out = feed(ids, **kw)
+        if not inside and kw.get("logits", "last") == "last":  # the prompt's own feeds are recorded as its row
+            rows.append(np.asarray(out[-1], np.float64).ravel())
+        return out
+
+    engine.prompt, engine.feed = recording_prompt, recording_feed
+    try:
+        yield rows
+    finally:
+        del engine.prompt, engine.feed  # the instance attributes go; the class's methods show through again
+
+
+def assert_same_greedy(ours, ours_rows, ref, ref_rows, bound: float, min_steps: int, history=(), penalty=1.0, where=""):
+    """Two greedy runs of one model whose arithmetic differs (a reused prefix against a fresh prefill: other batch
+    shapes, so other fp16 roundings): their logit rows, penalised as the sampler penalised them (`history`: the
+    prompt ids, `penalty`: repetition_penalty), differ by at most the measured err <= `bound` up to the first token
+    where they part (that row included: both runs chose from the same history there), and the tokens agree as
+    assert_greedy_prefix says with that err. A prefix reused from the wrong place moves the rows far beyond
+    `bound`. Returns (steps compared, err)."""
+    ours, ref = list(ours), list(ref)
+    n = min(len(ours), len(ref), len(ours_rows), len(ref_rows))
+    part = next((i for i in range(n) if ours[i] != ref[i]), n - 1)
+    a = repetition_penalised(ours_rows[: part + 1], history, ours, penalty)
+    b = repetition_penalised(ref_rows[:n], history, ref, penalty)
+    err = float(np.abs(a - b[: part + 1]).max())
+    assert err <= bound, f"{where}: the two runs' logit rows differ by {err:.4g} (> {bound}) within step {part}"
+    return assert_greedy_prefix(ours[:n], ref[:n], b, err, min_steps, where), err

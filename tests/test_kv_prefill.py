@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from margins import assert_greedy_prefix, repetition_penalised
+from margins import assert_greedy_prefix, assert_same_greedy, recorded_rows, repetition_penalised
 
 import gemma_ane
 from gemma_ane.bundle import inspect_bundle
@@ -70,12 +70,15 @@ def test_after_a_rewind(bundle):
     # 9 tokens: prefill_kv_b8 at 0, infer at 8; 13-15 tokens: a fresh run does kv_b8, kv_b4, infer
     assert len(ids1) == 9 and 13 <= len(ids2) <= 15 and ids2[:9] == ids1
     model.generate(first, raw=True, temperature=0, max_tokens=1)
-    r = model.generate(second, raw=True, temperature=0, max_tokens=8, logprobs=2)
+    with recorded_rows(model.engine) as rows:
+        r = model.generate(second, raw=True, temperature=0, max_tokens=8, logprobs=2)
     assert r.reused_tokens == 9  # the whole first prompt, though a fresh run batches 8-11 as kv_b4
     model.reset()
-    fresh = model.generate(second, raw=True, temperature=0, max_tokens=8, logprobs=2)
-    assert r.tokens == fresh.tokens
-    np.testing.assert_allclose(r.logprobs, fresh.logprobs, rtol=2e-2, atol=2e-2)
+    with recorded_rows(model.engine) as fresh_rows:
+        fresh = model.generate(second, raw=True, temperature=0, max_tokens=8, logprobs=2)
+    # infer steps against a kv_b4 batch: other fp16 arithmetic, so equal tokens up to a near-tie within the measured
+    # difference of the rows (measured 0.047; the bound is below what the logprob tolerance this test had allowed)
+    assert_same_greedy(r.tokens, rows, fresh.tokens, fresh_rows, 0.1, 8, where="rewound vs fresh")
 
 
 def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):

@@ -188,15 +188,6 @@ SPLITS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_e4b(tmp_path_factory) -> Path:
-    from gemma_ane.oracle.tiny import write_tiny
-
-    out = tmp_path_factory.mktemp("e4b") / "ckpt"
-    write_tiny(out, preset="e4b-mini")
-    return out
-
-
 def _ckpt(request, preset):
     return request.getfixturevalue("tiny_e2b" if preset == "e2b-mini" else "tiny_e4b")
 
@@ -255,8 +246,10 @@ def e2b_bundles(pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def e4b_bundles(tiny_e4b, tmp_path_factory):
-    return tiny_e4b, {n: _bundle(tmp_path_factory, f"e4b{n}", tiny_e4b, s) for n, s in SPLITS["e4b-mini"].items()}
+def e4b_bundles(tiny_e4b, e4b_bundle16, tmp_path_factory):
+    """e4b-mini at 3, 4 and 6 chunks: the three-chunk bundle is conftest's (SPLITS' 3 is the default split)."""
+    more = {n: _bundle(tmp_path_factory, f"e4b{n}", tiny_e4b, s) for n, s in SPLITS["e4b-mini"].items() if n != 3}
+    return tiny_e4b, {3: e4b_bundle16, **more}
 
 
 def _greedy(bundle, prompt, steps):

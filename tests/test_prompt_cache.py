@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from margins import assert_same_greedy, recorded_rows
 
 import gemma_ane
 from gemma_ane.runtime.prompt_cache import PromptCacheError
@@ -35,11 +36,17 @@ def test_a_saved_system_prompt_is_not_processed_again(tiny_bundle16, saved):
     second = gemma_ane.load(tiny_bundle16, backend="mil")  # another process
     assert second.load_prompt_cache(path) == system_end
     question = conversation("And what do they eat in winter?")
-    r = second.generate(messages=question, **KW)
+    with recorded_rows(second.engine) as rows:
+        r = second.generate(messages=question, **KW)
     assert r.reused_tokens == system_end
-    fresh = gemma_ane.load(tiny_bundle16, backend="mil").generate(messages=question, **KW)
-    assert fresh.reused_tokens == 0 and r.tokens == fresh.tokens
-    np.testing.assert_allclose(r.logprobs, fresh.logprobs, rtol=2e-2, atol=2e-2)
+    third = gemma_ane.load(tiny_bundle16, backend="mil")
+    with recorded_rows(third.engine) as fresh_rows:
+        fresh = third.generate(messages=question, **KW)
+    assert fresh.reused_tokens == 0
+    # the saved caches were filled in other batches than a fresh prefill's: equal up to fp16 rounding, so the
+    # tokens up to a near-tie (the bound: the logprob tolerance this test had)
+    ids = second.prompt_ids(messages=question)
+    assert_same_greedy(r.tokens, rows, fresh.tokens, fresh_rows, 2e-2, 8, ids, KW["repetition_penalty"], "cache file")
 
 
 def test_a_file_round_trips_the_caches_exactly(tiny_bundle16, saved, tmp_path):

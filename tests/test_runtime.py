@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from margins import assert_greedy_prefix, assert_same_greedy, recorded_rows, repetition_penalised
 
 import gemma_ane
 from gemma_ane.bundle import BundleError, load_host
@@ -142,6 +143,11 @@ GREEDY_CASES = {
 }
 
 
+# The fp16 bundle's |logit error| against transformers' fp32 (test_mil's BUNDLE_LOGIT_ERR): measured here 0.15-0.24
+# unpenalised, 0.13-0.36 penalised (rp = 2)
+FP16_ERR = 0.4
+
+
 @pytest.mark.parametrize("case", GREEDY_CASES, ids=list(GREEDY_CASES))
 def test_greedy_equals_transformers_generate_past_the_window(model, oracle, case):
     kw = dict(GREEDY_CASES[case])
@@ -155,14 +161,20 @@ def test_greedy_equals_transformers_generate_past_the_window(model, oracle, case
     # and insist that it reaches well past the sliding window.
     compared = len(ours.tokens)
     assert compared > WINDOW + 8, (case, ours.tokens, ours.finish_reason)
-    assert len(ids) + compared > 2 * WINDOW, "must wrap the ring at least once"
-    for i, (a, b) in enumerate(zip(ours.tokens, ref)):
-        if a != b:
-            top2 = np.sort(scores[i])[-2:]
-            pytest.fail(
-                f"{case}: token {i} (position {len(ids) + i}) is {a}, transformers chose {b}; "
-                f"transformers' top-2 gap there is {top2[1] - top2[0]:.4g}\nours {ours.tokens}\nref  {ref}"
-            )
+    ref, scores = ref[:compared], scores[:compared]
+    # the error bound, measured: our rows along transformers' own sequence (the schedule generate uses), penalised
+    # alike, against the scores transformers chose from, at every position (past the wrap); the penalty multiplies
+    # a seen token's negative logit, and its error, by rp
+    rows = repetition_penalised(replay_logits(model, ids, ref), ids, ref, rp)
+    err = float(np.abs(rows - np.stack(scores)).max())
+    assert err <= rp * FP16_ERR, f"{case}: our logits differ from transformers' by {err:.4g}"
+    # the tokens equal up to the first near-tie: past the wrap (2 x WINDOW positions) where the model's margins
+    # allow; the penalised cases' flat rows tie within err at their first steps, so there the rows above carry it
+    wrap = 2 * WINDOW + 1 - len(ids) if rp == 1.0 else 0
+    steps = assert_greedy_prefix(ours.tokens, ref, scores, err, wrap, case)
+    if steps < compared:  # after a tie: each token ours chose is still the argmax of our own rows (bit-identical)
+        own = repetition_penalised(replay_logits(model, ids, ours.tokens), ids, ours.tokens, rp)
+        assert ours.tokens == [int(np.argmax(r)) for r in own], case
     if rp != 1.0:
         assert len(set(ours.tokens)) > 20, "the penalised cases exist to compare varied outputs"
 
@@ -288,6 +300,11 @@ def test_sampling_defaults_come_from_generation_config(model, bundle, monkeypatc
 # -- prefix reuse --------------------------------------------------------------------------------
 
 
+# A reused prefix against a fresh prefill: other batch shapes, so on the Neural Engine other fp16 roundings of the
+# same logits; the MIL executor's rows measured equal here, the bound is the logprob tolerance these tests had
+REUSE_ERR = 2e-2
+
+
 def _same(a, b):
     assert a.tokens == b.tokens
     assert a.logprobs == b.logprobs
@@ -356,16 +373,18 @@ def test_follow_up_turn_reuses_the_conversation_and_matches_a_freshly_loaded_mod
     turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "ok"}]
     ids2 = model.prompt_ids(messages=turn2)
     assert ids2[: len(cached)] == cached, "precondition: the re-rendered answer tokenises as generated"
-    r2 = model.generate(messages=turn2, max_tokens=20, **kw)
+    with recorded_rows(model.engine) as rows2:
+        r2 = model.generate(messages=turn2, max_tokens=20, **kw)
     # The whole conversation is reused, though a fresh run would batch its positions differently:
     # the caches hold the same K/V up to fp16 rounding.
     assert r2.reused_tokens == len(cached)
 
     fresh = gemma_ane.load(bundle, backend="mil")
-    f2 = fresh.generate(messages=turn2, max_tokens=20, **kw)
+    with recorded_rows(fresh.engine) as fresh_rows:
+        f2 = fresh.generate(messages=turn2, max_tokens=20, **kw)
     assert f2.reused_tokens == 0
-    assert r2.tokens == f2.tokens
-    np.testing.assert_allclose(r2.logprobs, f2.logprobs, rtol=2e-2, atol=2e-2)
+    # measured: the rows differ by at most REUSE_ERR; the tokens agree up to a near-tie within it
+    assert_same_greedy(r2.tokens, rows2, f2.tokens, fresh_rows, REUSE_ERR, 8, ids2, 2.0, "follow-up turn vs fresh")
 
 
 def test_a_chat_past_the_wrap_reuses_its_prompt_and_is_deterministic(model):
@@ -382,14 +401,18 @@ def test_a_chat_past_the_wrap_reuses_its_prompt_and_is_deterministic(model):
         turn2 = turn1 + [{"role": "assistant", "content": "Well. " + r1.text}, {"role": "user", "content": "more"}]
         return r1, model.generate(messages=turn2, **kw), turn2
 
-    r1, r2, turn2 = chat()
+    with recorded_rows(model.engine) as rows:
+        r1, r2, turn2 = chat()
     assert r2.reused_tokens == r1.prompt_tokens  # everything up to turn 1's prompt end
     _, again, _ = chat()
     _same(r2, again)  # the same calls, the same results, bit for bit
     model.reset()
-    fresh = model.generate(messages=turn2, **kw)
-    assert fresh.reused_tokens == 0 and fresh.tokens == r2.tokens
-    np.testing.assert_allclose(r2.logprobs, fresh.logprobs, rtol=2e-2, atol=2e-2)
+    with recorded_rows(model.engine) as fresh_rows:
+        fresh = model.generate(messages=turn2, **kw)
+    assert fresh.reused_tokens == 0
+    ids2 = model.prompt_ids(messages=turn2)
+    reused_rows = rows[len(r1.tokens) :]  # turn 2's rows (turn 1's come first)
+    assert_same_greedy(r2.tokens, reused_rows, fresh.tokens, fresh_rows, REUSE_ERR, 8, ids2, 2.0, "turn 2 vs fresh")
 
 
 def test_a_failed_prefill_does_not_poison_the_cache(model, monkeypatch):
