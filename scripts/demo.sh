@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job end to end on an embedded tiny model that answers: train a tiny Gemma 4 on a small
-# chat corpus (gemma_ane/demo_corpus.py), plan it, prove the chunk graph against transformers,
+# chat corpus (gemma_ane/oracle/demo_corpus.py), plan it, prove the chunk graph against transformers,
 # convert it to a Core ML bundle, inspect and audit it, prove the bundle against transformers, and
 # ask it questions whose answers can be checked. Each step says what it proves and how long it took.
 set -euo pipefail
@@ -48,7 +48,7 @@ python - "$OUT/bundle" <<'PY'
 import json, sys, warnings
 
 import gemma_ane
-from gemma_ane.demo_corpus import WEATHER
+from gemma_ane.oracle.demo_corpus import WEATHER
 
 warnings.simplefilter("ignore")  # the tiny template has no tool macros: the built-in formatter renders tools
 model = gemma_ane.load(sys.argv[1], backend="mil")
