@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 from test_server import FakeModel
 
-from gemma_ane.cli import _sampling, build_parser
+from gemma_ane.cli import build_parser
+from gemma_ane.cli.run import _sampling
 from gemma_ane.runtime.model import Event
 from gemma_ane.runtime.sampling import FIELDS, SamplingError, SamplingParams
 from gemma_ane.server.app import build_app

@@ -78,7 +78,7 @@ def cmd_eval(a):
 def add_commands(sub) -> None:
     s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
     s.add_argument("src", help="Hugging Face checkpoint directory")
-    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--tokens", type=int, default=64, help="positions compared, prompt included")
     s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
     s.add_argument("--bundle", help="verify this converted bundle (run by the MIL executor) instead of the graph")
     s.add_argument(
@@ -99,9 +99,9 @@ def add_commands(sub) -> None:
         choices=["fp32", "fp16"],
         help="arithmetic of our side (default: fp32 for the graph, fp16 for a bundle)",
     )
-    s.add_argument("--prefill-batch", type=int, default=8)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes, as convert's")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random token ids compared")
+    s.add_argument("--json", action="store_true", help="print the comparison as JSON")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser(
@@ -120,6 +120,6 @@ def add_commands(sub) -> None:
     s.add_argument("--context", type=int, help="positions a window holds, BOS included (default: the bundle's)")
     s.add_argument("--stride", type=int, help="tokens between window starts, and scored a window (default: context/2)")
     s.add_argument("--precision", choices=["fp32", "fp16"], default="fp16", help="the bundle's arithmetic")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the scores as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_eval)
