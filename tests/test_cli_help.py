@@ -71,3 +71,40 @@ def test_tiny_lists_its_presets(capsys):
         main(["tiny", "out", "--preset", "nope"])
     assert e.value.code == 2
     assert "e4b-mini" in capsys.readouterr().err
+
+
+# -- messages a CLI user reads -------------------------------------------------------------------------------------
+
+
+def test_one_token_summary_claims_no_rate():
+    from gemma_ane.cli.run import _summary
+    from gemma_ane.runtime.events import Event
+
+    one = _summary(Event(prompt_tokens=5, prefill_tokens_per_s=50.0, generated_tokens=1, finish_reason="length"))
+    assert "generation: 1 token |" in one  # no "1 tokens", and no "0.0 tok/s": one token has no decode rate
+    assert "tok/s" not in one.split("generation:")[1]
+    many = _summary(Event(generated_tokens=3, decode_tokens_per_s=2.5, finish_reason="stop"))
+    assert "generation: 3 tokens, 2.5 tok/s" in many
+
+
+def test_text_prompt_overflow_names_no_images():
+    from gemma_ane.runtime.encoder import expand_media
+    from gemma_ane.runtime.engine import ContextOverflow
+
+    with pytest.raises(ContextOverflow) as e:
+        expand_media(list(range(200)), [], {}, [], 128)
+    assert str(e.value) == "prompt of 200 tokens exceeds the context of 128"
+
+
+def test_backend_advice_speaks_to_both_cli_and_python():
+    import platform
+
+    from gemma_ane.errors import GemmaAneError
+    from gemma_ane.runtime.backend import pick_backend
+
+    if platform.system() == "Darwin":
+        pytest.skip("Core ML runs here")
+    with pytest.raises(GemmaAneError) as e:
+        pick_backend("coreml")
+    assert "backend='" not in str(e.value)  # Python syntax means nothing to a CLI user
+    assert "needs macOS" in str(e.value) and "mil" in str(e.value)

@@ -123,10 +123,13 @@ def _save_cache(model, path, prompt_tokens: int, system, prompt, think: bool) ->
 
 
 def _summary(last) -> str:
-    """One line from the last event's Stats, as mlx-lm's generate prints them."""
+    """One line from the last event's Stats, as mlx-lm's generate prints them. The decode rate counts the tokens
+    after the first, so an answer of one token has none to show."""
+    n = last.generated_tokens
+    generation = f"{n} token" if n == 1 else f"{n} tokens, {last.decode_tokens_per_s:.1f} tok/s"
     return (
         f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
-        f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
+        f" | generation: {generation}"
         + (
             f" | drafts: {last.acceptance_rate:.0%} accepted, {last.tokens_per_verify:.2f} tokens a verify call"
             if last.tokens_per_verify
