@@ -4,6 +4,7 @@ shown, and the choices a user must pick from listed."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 import pytest
 
@@ -108,3 +109,36 @@ def test_backend_advice_speaks_to_both_cli_and_python():
         pick_backend("coreml")
     assert "backend='" not in str(e.value)  # Python syntax means nothing to a CLI user
     assert "needs macOS" in str(e.value) and "mil" in str(e.value)
+
+
+# -- progress on the long steps ------------------------------------------------------------------------------------
+
+LONG_STEPS = {
+    "generate": (["generate", "{missing}", "-p", "Hi", "--backend", "mil"], "loading"),
+    "chat": (["chat", "{missing}", "--backend", "mil"], "loading"),
+    "inspect": (["inspect", "{missing}"], "reading"),
+    "audit": (["inspect", "{missing}", "--ane"], "auditing every model"),
+    "tiny": (["tiny", "{existing}"], "writing the e2b-mini checkpoint"),
+    "verify": (["verify", "{missing}"], "running transformers and our chunk graph"),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_STEPS))
+@pytest.mark.parametrize("quiet", [False, True])
+def test_long_steps_say_what_they_do_unless_quiet(name, quiet, capsys, monkeypatch, tmp_path):
+    argv, words = LONG_STEPS[name]
+    (tmp_path / "existing").mkdir()
+    argv = [x.format(missing=tmp_path / "missing", existing=tmp_path / "existing") for x in argv]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person watching
+    rc = main(argv + ["--quiet"] * quiet)
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2  # each fails at once here (no such bundle, checkpoint; OUT exists): the step line comes first
+    command = argv[0]
+    steps = [line for line in err if line.startswith(f"gemma-ane {command}: {words}")]
+    assert steps == ([] if quiet else [steps[0]]) and (quiet or steps[0].endswith(" ..."))
+    assert err[-1].startswith(f"gemma-ane {command}: error: ")
+
+
+def test_no_progress_lines_into_a_pipe(capsys, tmp_path):
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1  # the error alone, as a script reads it

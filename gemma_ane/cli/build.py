@@ -9,6 +9,7 @@ import sys
 from ..bundle.plan import ChunkPlan, parse_split, split_for_budget
 from ..bundle.spec import ConfigError, ModelSpec
 from ..files import write_json
+from .steps import add_quiet, step
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
@@ -58,9 +59,10 @@ def cmd_plan(a):
 def cmd_tiny(a):
     from ..oracle.tiny import write_tiny
 
-    out = write_tiny(
-        a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
-    )
+    with step(a, f"writing the {a.preset} checkpoint" + (" (training it: minutes)" if a.preset == "demo" else "")):
+        out = write_tiny(
+            a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
+        )
     drafter = f", its assistant to {a.assistant}" if a.assistant else ""
     print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}{drafter}")
 
@@ -122,10 +124,12 @@ def cmd_inspect(a):
     if a.ane:
         from ..runtime.audit import audit_bundle, format_audit
 
-        audit = audit_bundle(a.bundle)
+        with step(a, f"auditing every model in {a.bundle} against the Neural Engine's rules"):
+            audit = audit_bundle(a.bundle)
         print(json.dumps(audit, indent=2) if a.json else format_audit(audit))
         return 0 if audit["verdict"] == "pass" else 1
-    report = inspect_bundle(a.bundle, sha256=not a.no_sha)
+    with step(a, f"reading {a.bundle}'s programs" + ("" if a.no_sha else " and hashing its files")):
+        report = inspect_bundle(a.bundle, sha256=not a.no_sha)
     if a.json:
         print(json.dumps(report, indent=2))
         return 0 if report["manifest"]["verified"] else 1
@@ -210,6 +214,7 @@ def add_commands(sub) -> None:
     s.add_argument("--shards", type=int, default=1, help="safetensors files to spread the weights over")
     s.add_argument("--assistant", metavar="DIR", help="also write a matched drafter (Gemma4AssistantForCausalLM) here")
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
+    add_quiet(s)
     s.set_defaults(fn=cmd_tiny)
 
     s = sub.add_parser("convert", help="convert a checkpoint into the Core ML bundle")
@@ -308,6 +313,7 @@ def add_commands(sub) -> None:
         action="store_true",
         help="audit each program against the Neural Engine's published rules (exit 1 unless it passes)",
     )
+    add_quiet(s)
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .run import add_image_pixels
+from .steps import add_quiet, step
 
 
 def cmd_verify(a):
@@ -14,27 +15,29 @@ def cmd_verify(a):
         raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
     if a.audio and not a.bundle:
         raise ValueError("--audio: needs --bundle (the clips go through the bundle's audio model)")
-    if a.bundle:
-        report = verify_bundle(
-            a.src,
-            a.bundle,
-            tokens=a.tokens,
-            precision=a.precision or "fp16",
-            seed=a.seed,
-            prompt_len=a.prompt_tokens,
-            images=a.image or (),
-            max_image_pixels=a.max_image_pixels,
-            audio=a.audio or (),
-        )
-    else:
-        report = verify_graph(
-            a.src,
-            tokens=a.tokens,
-            precision=a.precision or "fp32",
-            seed=a.seed,
-            prompt_len=a.prompt_tokens,
-            prefill_batch=a.prefill_batch,
-        )
+    ours = f"the bundle {a.bundle}" if a.bundle else "our chunk graph"
+    with step(a, f"running transformers and {ours} over {a.tokens} positions"):
+        if a.bundle:
+            report = verify_bundle(
+                a.src,
+                a.bundle,
+                tokens=a.tokens,
+                precision=a.precision or "fp16",
+                seed=a.seed,
+                prompt_len=a.prompt_tokens,
+                images=a.image or (),
+                max_image_pixels=a.max_image_pixels,
+                audio=a.audio or (),
+            )
+        else:
+            report = verify_graph(
+                a.src,
+                tokens=a.tokens,
+                precision=a.precision or "fp32",
+                seed=a.seed,
+                prompt_len=a.prompt_tokens,
+                prefill_batch=a.prefill_batch,
+            )
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -102,6 +105,7 @@ def add_commands(sub) -> None:
     s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes, as convert's")
     s.add_argument("--seed", type=int, default=0, help="seed of the random token ids compared")
     s.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_quiet(s)
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser(

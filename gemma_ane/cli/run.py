@@ -13,6 +13,7 @@ from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
 from ..runtime.tools import MAX_DEPTH
+from .steps import add_quiet, step
 
 DRAFT_HELP = "speculative decoding: the bundle's drafter proposes K tokens a verify call (convert --assistant)"
 
@@ -59,7 +60,8 @@ def cmd_generate(a):
         content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
-    model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
+    with step(a, f"loading {a.bundle}"):
+        model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     prompt = None if a.image else a.prompt
@@ -167,7 +169,8 @@ def _fit_context(model, head: list, messages: list, think: bool, max_tokens: int
 def cmd_chat(a):
     from .. import load
 
-    model = load(a.bundle, backend=a.backend)
+    with step(a, f"loading {a.bundle}"):
+        model = load(a.bundle, backend=a.backend)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
@@ -263,6 +266,7 @@ def _add_sampling(s):
         metavar="FILE",
         help="start from the caches saved in FILE (if it exists); save the system turn's (or the prompt's) there",
     )
+    add_quiet(s)
 
 
 def add_commands(sub) -> None:
