@@ -31,7 +31,10 @@ step 5 "convert to a Core ML bundle (16-bit weights, context 512; minutes: a bar
 gemma-ane convert "$OUT/ckpt" "$OUT/bundle" --bits 16 --context 512 --force
 
 step 6 "what the bundle holds, and the static audit against the Neural Engine's rules"
-gemma-ane inspect "$OUT/bundle" | head -20
+# into a file, then its head: `inspect | head` ends inspect with SIGPIPE once head has its lines (exit 141),
+# which pipefail turns into the demo's failure
+gemma-ane inspect "$OUT/bundle" > "$OUT/inspect.txt"
+head -20 "$OUT/inspect.txt"
 gemma-ane inspect "$OUT/bundle" --ane | tail -3
 
 step 7 "the saved bundle (run by the MIL executor, fp16) equals transformers at every position"
