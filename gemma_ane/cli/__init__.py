@@ -12,13 +12,29 @@ import threading
 import warnings
 from contextlib import contextmanager
 
-from .. import files
+from .. import __version__, files
 from ..errors import GemmaAneError
 from . import build, proof, run
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help states it already (in its own words) or there is
+    none to show (None, False, an empty list: the option is simply off)."""
+
+    def _get_help_string(self, action):
+        text, d = action.help or "", action.default
+        off = d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, list) and not d)
+        if action.option_strings and not off and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse prints the whole usage block on a bad flag; we keep errors to one line."""
+    """argparse prints the whole usage block on a bad flag; we keep errors to one line. Every command's help
+    shows each option's default (_HelpFormatter)."""
+
+    def __init__(self, *args, formatter_class=_HelpFormatter, **kw):
+        super().__init__(*args, formatter_class=formatter_class, **kw)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -26,6 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-ane", description="Gemma 4 E2B for the Apple Neural Engine")
+    p.add_argument("--version", action="version", version=f"gemma-ane {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for commands in (build, run):
         commands.add_commands(sub)

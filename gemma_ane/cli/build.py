@@ -10,6 +10,7 @@ from ..bundle.plan import PROFILES, ChunkPlan, format_device_cost, parse_functio
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json
+from .steps import add_quiet, step
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
@@ -63,9 +64,10 @@ def cmd_plan(a):
 def cmd_tiny(a):
     from ..oracle.tiny import write_tiny
 
-    out = write_tiny(
-        a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
-    )
+    with step(a, f"writing the {a.preset} checkpoint" + (" (training it: minutes)" if a.preset == "demo" else "")):
+        out = write_tiny(
+            a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
+        )
     drafter = f", its assistant to {a.assistant}" if a.assistant else ""
     print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}{drafter}")
 
@@ -129,10 +131,12 @@ def cmd_inspect(a):
     if a.ane:
         from ..runtime.audit import audit_bundle, format_audit
 
-        audit = audit_bundle(a.bundle)
+        with step(a, f"auditing every model in {a.bundle} against the Neural Engine's rules"):
+            audit = audit_bundle(a.bundle)
         print(json.dumps(audit, indent=2) if a.json else format_audit(audit))
         return 0 if audit["verdict"] == "pass" else 1
-    report = inspect_bundle(a.bundle, sha256=not a.no_sha)
+    with step(a, f"reading {a.bundle}'s programs" + ("" if a.no_sha else " and hashing its files")):
+        report = inspect_bundle(a.bundle, sha256=not a.no_sha)
     if a.json:
         print(json.dumps(report, indent=2))
         return 0 if report["manifest"]["verified"] else 1
@@ -183,6 +187,9 @@ def cmd_check(a):
     return 0
 
 
+CONTEXT_HELP = "positions the caches hold, prompt and answer together (a multiple of 32, at least the window)"
+
+
 def _add_split(s):
     s.add_argument("--split", help="a,b[,c...]: chunk_2 starts at layer a, chunk_3 at b, ... (N-1 boundaries)")
     s.add_argument(
@@ -211,29 +218,34 @@ def _add_functions(s):
 def add_commands(sub) -> None:
     s = sub.add_parser("plan", help="show how the model splits into Core ML chunks")
     s.add_argument("src", help="config.json or checkpoint directory")
-    s.add_argument("--context", type=int, default=2048)
-    s.add_argument("--prefill-batch", type=int, default=8)
+    s.add_argument("--context", type=int, default=2048, help=CONTEXT_HELP)
+    s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes (the prefill_bT function)")
     _add_split(s)
     s.add_argument("--bits", type=int, default=4, help="the weights' bits, for the sizes (16: fp16)")
     s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes to plan, e.g. 64,8 (default: none)")
     _add_functions(s)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=cmd_plan)
 
-    s = sub.add_parser("tiny", help="write a random tiny Gemma 4 checkpoint (needs transformers)")
-    s.add_argument("out")
-    s.add_argument("--preset", default="e2b-mini")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    s.add_argument("--shards", type=int, default=1)
+    from ..oracle.tiny import PRESETS  # the table itself, so the choices listed are the presets that exist
+
+    s = sub.add_parser(
+        "tiny", help="write a tiny Gemma 4 checkpoint: random, or trained to answer (--preset demo; needs transformers)"
+    )
+    s.add_argument("out", help="checkpoint directory to create")
+    s.add_argument("--preset", default="e2b-mini", choices=list(PRESETS), help="which tiny model (see README)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights (the same seed, the same bytes)")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype on disk")
+    s.add_argument("--shards", type=int, default=1, help="safetensors files to spread the weights over")
     s.add_argument("--assistant", metavar="DIR", help="also write a matched drafter (Gemma4AssistantForCausalLM) here")
-    s.add_argument("--force", action="store_true")
+    s.add_argument("--force", action="store_true", help="replace an existing OUT")
+    add_quiet(s)
     s.set_defaults(fn=cmd_tiny)
 
     s = sub.add_parser("convert", help="convert a checkpoint into the Core ML bundle")
     s.add_argument("src", help="Hugging Face checkpoint directory (or Hub id, when online)")
     s.add_argument("out", help="bundle directory to create")
-    s.add_argument("--context", type=int, default=2048)
+    s.add_argument("--context", type=int, default=2048, help=CONTEXT_HELP)
     s.add_argument("--bits", type=int, default=4, help="4, 6, 8, or 16 for no palettization")
     s.add_argument(
         "--group-size",
@@ -256,7 +268,7 @@ def add_commands(sub) -> None:
         help="leave linear weights at fp16 where this regular expression is found in their name, as the checkpoint "
         "spells it (layers.0.self_attn.o_proj) or as inspect shows it (layers_0_self_attn_o_proj); repeatable",
     )
-    s.add_argument("--prefill-batch", type=int, default=8)
+    s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes (the prefill_bT function)")
     _add_split(s)
     s.add_argument(
         "--compile",
@@ -319,18 +331,19 @@ def add_commands(sub) -> None:
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("inspect", help="functions, I/O, states, sizes and costs of a converted bundle")
-    s.add_argument("bundle")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("bundle", help="bundle directory")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--no-sha", action="store_true", help="check manifest sizes only, not sha256")
     s.add_argument(
         "--ane",
         action="store_true",
         help="audit each program against the Neural Engine's published rules (exit 1 unless it passes)",
     )
+    add_quiet(s)
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser(
         "check", help="validate a bundle: every file listed, sizes and sha256 (exit 1: problems, 3: no manifest)"
     )
-    s.add_argument("bundle")
+    s.add_argument("bundle", help="bundle directory")
     s.set_defaults(fn=cmd_check)

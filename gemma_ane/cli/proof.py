@@ -6,6 +6,7 @@ import json
 
 from ..errors import InputError
 from .run import add_image_pixels
+from .steps import add_quiet, step
 
 
 def cmd_verify(a):
@@ -15,27 +16,29 @@ def cmd_verify(a):
         raise InputError("--image: needs --bundle (the images go through the bundle's vision model)")
     if a.audio and not a.bundle:
         raise InputError("--audio: needs --bundle (the clips go through the bundle's audio model)")
-    if a.bundle:
-        report = verify_bundle(
-            a.src,
-            a.bundle,
-            tokens=a.tokens,
-            precision=a.precision or "fp16",
-            seed=a.seed,
-            prompt_len=a.prompt_tokens,
-            images=a.image or (),
-            max_image_pixels=a.max_image_pixels,
-            audio=a.audio or (),
-        )
-    else:
-        report = verify_graph(
-            a.src,
-            tokens=a.tokens,
-            precision=a.precision or "fp32",
-            seed=a.seed,
-            prompt_len=a.prompt_tokens,
-            prefill_batch=a.prefill_batch,
-        )
+    ours = f"the bundle {a.bundle}" if a.bundle else "our chunk graph"
+    with step(a, f"running transformers and {ours} over {a.tokens} positions"):
+        if a.bundle:
+            report = verify_bundle(
+                a.src,
+                a.bundle,
+                tokens=a.tokens,
+                precision=a.precision or "fp16",
+                seed=a.seed,
+                prompt_len=a.prompt_tokens,
+                images=a.image or (),
+                max_image_pixels=a.max_image_pixels,
+                audio=a.audio or (),
+            )
+        else:
+            report = verify_graph(
+                a.src,
+                tokens=a.tokens,
+                precision=a.precision or "fp32",
+                seed=a.seed,
+                prompt_len=a.prompt_tokens,
+                prefill_batch=a.prefill_batch,
+            )
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -79,7 +82,7 @@ def cmd_eval(a):
 def add_commands(sub) -> None:
     s = sub.add_parser("verify", help="compare our chunks with transformers at every position")
     s.add_argument("src", help="Hugging Face checkpoint directory")
-    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--tokens", type=int, default=64, help="positions compared, prompt included")
     s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default tokens/4)")
     s.add_argument("--bundle", help="verify this converted bundle (run by the MIL executor) instead of the graph")
     s.add_argument(
@@ -100,9 +103,10 @@ def add_commands(sub) -> None:
         choices=["fp32", "fp16"],
         help="arithmetic of our side (default: fp32 for the graph, fp16 for a bundle)",
     )
-    s.add_argument("--prefill-batch", type=int, default=8)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes, as convert's")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random token ids compared")
+    s.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_quiet(s)
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser(
@@ -121,6 +125,6 @@ def add_commands(sub) -> None:
     s.add_argument("--context", type=int, help="positions a window holds, BOS included (default: the bundle's)")
     s.add_argument("--stride", type=int, help="tokens between window starts, and scored a window (default: context/2)")
     s.add_argument("--precision", choices=["fp32", "fp16"], default="fp16", help="the bundle's arithmetic")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the scores as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_eval)

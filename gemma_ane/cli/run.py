@@ -6,13 +6,15 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from ..errors import InputError
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
-from ..runtime.sampling import FIELDS, SamplingParams
+from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
 from ..runtime.tools import MAX_DEPTH
+from .steps import add_quiet, step
 
 DRAFT_HELP = "speculative decoding: the bundle's drafter proposes K tokens a verify call (convert --assistant)"
 
@@ -59,7 +61,8 @@ def cmd_generate(a):
         content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
-    model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
+    with step(a, f"loading {a.bundle}"):
+        model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     prompt = None if a.image else a.prompt
@@ -123,10 +126,13 @@ def _save_cache(model, path, prompt_tokens: int, system, prompt, think: bool) ->
 
 
 def _summary(last) -> str:
-    """One line from the last event's Stats, as mlx-lm's generate prints them."""
+    """One line from the last event's Stats, as mlx-lm's generate prints them. The decode rate counts the tokens
+    after the first, so an answer of one token has none to show."""
+    n = last.generated_tokens
+    generation = f"{n} token" if n == 1 else f"{n} tokens, {last.decode_tokens_per_s:.1f} tok/s"
     return (
         f"prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), {last.prefill_tokens_per_s:.1f} tok/s"
-        f" | generation: {last.generated_tokens} tokens, {last.decode_tokens_per_s:.1f} tok/s"
+        f" | generation: {generation}"
         + (
             f" | drafts: {last.acceptance_rate:.0%} accepted, {last.tokens_per_verify:.2f} tokens a verify call"
             if last.tokens_per_verify
@@ -164,7 +170,8 @@ def _fit_context(model, head: list, messages: list, think: bool, max_tokens: int
 def cmd_chat(a):
     from .. import load
 
-    model = load(a.bundle, backend=a.backend)
+    with step(a, f"loading {a.bundle}"):
+        model = load(a.bundle, backend=a.backend)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
@@ -228,29 +235,45 @@ def _answer(model, convo: list[dict], think: bool, a):
     return answer, ev
 
 
+BACKENDS = ["auto", "coreml", "mil"]
+BACKEND_HELP = "coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil"
+
+
+def _with_default(f) -> str:
+    """A sampling flag's help with its default: the generation config's where the bundle may set one
+    (SamplingParams.from_generation_config), else SamplingParams' own."""
+    if "default" in f.help:
+        return f.help
+    default = {d.name: d.default for d in fields(SamplingParams)}[f.name]
+    shown = "none" if default is None else default
+    bundle = "the bundle's generation config, else " if f.name in GENERATION_CONFIG_FIELDS else ""
+    return f"{f.help} (default: {bundle}{shown})"
+
+
 def _add_sampling(s):
-    s.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--system")
+    s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have")
+    s.add_argument("--system", help="a system turn before the conversation")
     s.add_argument("--think", action="store_true", help="thinking mode: reasoning goes to stderr")
     for f in FIELDS:  # one flag a sampling field, as the server takes them
         flag = "--" + f.name.replace("_", "-")
         if f.kind is dict:
             s.add_argument(flag, type=_bias, action="append", metavar="ID=BIAS", help=f.help)
         else:
-            s.add_argument(flag, type=f.kind, metavar="N" if f.kind is int else "X", help=f.help)
+            s.add_argument(flag, type=f.kind, metavar="N" if f.kind is int else "X", help=_with_default(f))
     s.add_argument("--draft", type=int, default=0, metavar="K", help=DRAFT_HELP)
     s.add_argument(
         "--prompt-cache",
         metavar="FILE",
         help="start from the caches saved in FILE (if it exists); save the system turn's (or the prompt's) there",
     )
+    add_quiet(s)
 
 
 def add_commands(sub) -> None:
     s = sub.add_parser("generate", help="generate text from a prompt")
-    s.add_argument("bundle")
-    s.add_argument("-p", "--prompt", required=True)
+    s.add_argument("bundle", help="bundle directory")
+    s.add_argument("-p", "--prompt", required=True, help="the user's message (with --raw: the whole text)")
     s.add_argument(
         "--image",
         action="append",
@@ -269,6 +292,6 @@ def add_commands(sub) -> None:
     s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("chat", help="multi-turn chat (reads stdin; /reset, /system TEXT, /think on|off)")
-    s.add_argument("bundle")
+    s.add_argument("bundle", help="bundle directory")
     _add_sampling(s)
     s.set_defaults(fn=cmd_chat)

@@ -234,7 +234,8 @@ def pick_backend(backend: str) -> str:
         backend = "coreml" if platform.system() == "Darwin" else "mil"
         print(f"backend: {backend} ({'Core ML' if backend == 'coreml' else 'MIL executor'})", file=sys.stderr)
     if backend == "coreml" and platform.system() != "Darwin":
-        raise BackendError("backend=coreml: Core ML prediction needs macOS; use backend='mil' (the MIL executor)")
+        # said in words both a CLI user (--backend mil) and a Python caller (backend="mil") act on
+        raise BackendError("backend coreml: Core ML prediction needs macOS; choose backend mil (the MIL executor)")
     return backend
 
 

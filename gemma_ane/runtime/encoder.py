@@ -401,7 +401,9 @@ def expand_media(ids: list[int], marks: list[int], encoders: dict[str, MediaEnco
     prepared = [encoders[kind].prepare(source, where) for kind, where, source in sources]
     n = len(ids) + sum(encoders[s[0]].soft_tokens(p) + 1 for s, p in zip(sources, prepared))  # + begin, end - one
     if n > context:
-        raise ContextOverflow(f"prompt of {n} tokens (images and audio included) exceeds the context of {context}")
+        media = " and ".join(sorted({kind for kind, _, _ in sources}))  # only what this prompt holds
+        included = f" ({media} included)" if media else ""
+        raise ContextOverflow(f"prompt of {n} tokens{included} exceeds the context of {context}")
     queues = {kind: [] for kind in encoders}  # each part type's soft tokens, in prompt order
     for (kind, where, source), p in zip(sources, prepared):
         queues[kind].append(encoders[kind].encode(source, where, p))

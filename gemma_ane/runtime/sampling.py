@@ -65,6 +65,9 @@ FIELDS = (
     Field("logit_bias", dict, "add BIAS in [-100, 100] to token ID's logit (-100 bans it); as ID=BIAS, repeatable"),
 )
 
+# the fields a bundle's generation_config.json may set (its defaults, under the caller's)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
 
 @dataclass
 class SamplingParams:
@@ -102,7 +105,7 @@ class SamplingParams:
         base = {}
         if config.get("do_sample") is False:
             base["temperature"] = 0.0
-        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        for name in GENERATION_CONFIG_FIELDS:
             if config.get(name) is not None:
                 base[name] = config[name]
         base.update({k: v for k, v in overrides.items() if v is not None})

@@ -375,10 +375,15 @@ def _cmd_serve(a) -> int:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle")
+    p.add_argument("bundle", help="bundle directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mil"])
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "coreml", "mil"],
+        help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
+    )
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument(
         "--max-queue",
