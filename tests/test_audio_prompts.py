@@ -141,10 +141,12 @@ def test_the_neural_engine_audit_covers_the_audio_model(audio_bundle):
     report = audit_bundle(audio_bundle)
     entry = next(c for c in report["models"] if c["name"] == "audio")
     assert set(entry["functions"]) == {"encode_144", "encode"}
-    # what it finds today: the chunked attention's logits end in its 24-key context (48 bytes in fp16, under the
-    # 64-byte rule), E2B's shape as well; the bundle's verdict carries it
+    # the chunked attention's 24 keys a block are padded to 32 columns (models/audio.py), so no 24-wide last axis
+    # is left; what still fails is this tiny tower's own narrowness (head_dim 8, 8 subsampling channels), where
+    # E2B has 128 and 32 (bench/convert_audio.py audits E2B's shapes)
     findings = [f for fn in entry["functions"].values() for f in fn["findings"]]
-    assert any(f["rule"] == "last-axis" and "last axis 24" in f["detail"] for f in findings), findings
+    narrow = {f["detail"].split(":")[0] for f in findings if f["rule"] == "last-axis"}
+    assert narrow == {"last axis 8"}, findings
     assert report["verdict"] == "fail" and entry["verdict"] == "fail"
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gemma_ane.convert.models.audio import (
+    MASK_VALUE,
     AudioModel,
     AudioSpec,
     AudioTowerError,
@@ -117,7 +118,8 @@ def test_relative_keys_shift_as_transformers_shifts_logits(oracle, ours):
     )
     want = ta._rel_shift(bd)[0]
     got = torch.matmul(q[0].permute(0, 2, 1, 3), mine.relative_keys.double()).permute(0, 2, 1, 3)
-    assert torch.allclose(got, want, atol=1e-12)
+    assert torch.allclose(got[..., : s.context], want, atol=1e-12)
+    assert not got[..., s.context :].any()  # the padding columns' keys are zero
     assert torch.equal(rel_shift(bd, s.context), ta._rel_shift(bd))
 
 
@@ -135,7 +137,25 @@ def test_block_mask_is_the_sliding_window(oracle, spec):
         and_mask_function=sliding_window_mask_function((spec.context_left - 1, 0)),
     )
     blocked = tower._convert_4d_mask_to_blocked_5d(m4)[0, 0]  # 0 allowed, finfo.min blocked
-    assert torch.equal(block_mask(spec, T)[0] == 0, blocked == 0)
+    mask = block_mask(spec, T)[0]
+    assert torch.equal(mask[..., : spec.context] == 0, blocked == 0)
+    assert (mask[..., spec.context :] == MASK_VALUE).all()  # the padding columns: blocked for every row
+
+
+def test_keys_are_padded_to_64_bytes_and_the_padding_changes_nothing(oracle, ours, spec, monkeypatch):
+    """The blocks' key axis is 32 columns (64 bytes of fp16: the Neural Engine's last-axis unit), not E2B's and
+    the tiny preset's 24, and the tower's output is the unpadded graph's: the padding's softmax weights are 0."""
+    assert (spec.context, spec.keys) == (24, 32)
+    x = torch.from_numpy(audio.preprocess(clip(23456), frames=FRAMES).features)[None]
+    mask = torch.ones(1, FRAMES)
+    with torch.no_grad():
+        (padded,) = ours(x, mask)
+        monkeypatch.setattr(AudioSpec, "keys", property(lambda s: s.context))
+        state = {k: v.numpy() for k, v in oracle.state_dict().items() if "audio" in k}
+        unpadded = load_audio_tower(state, spec, FRAMES)
+        assert unpadded.audio_tower.layers[0].self_attn.relative_keys.shape[-1] == 24
+        (plain,) = unpadded(x, mask)
+    assert torch.allclose(padded, plain, rtol=0, atol=1e-6 * plain.abs().max())
 
 
 def test_spec_refusals():

@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..errors import InputError
+from ..runtime.audio import SAMPLE_RATE, AudioError, load_audio
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
@@ -55,17 +56,22 @@ def cmd_generate(a):
     kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
     if a.json_schema is not None:
         kw["response_format"] = _response_format(a.json_schema)
-    if a.image:
+    if a.audio and a.raw:
+        raise InputError("--audio: a raw prompt has no chat template to place the clip in; drop --raw")
+    # each clip read before the bundle loads: a missing or bad file costs no load; the samples are what runs
+    clips = [{"type": "audio", "audio": load_audio(path, "--audio")} for path in a.audio or ()]
+    if a.image or clips:
         if a.raw:
             raise InputError("--image: a raw prompt has no chat template to place the image in; drop --raw")
-        content = [{"type": "image", "image": path} for path in a.image] + [{"type": "text", "text": a.prompt}]
+        content = [{"type": "image", "image": path} for path in a.image or ()] + clips
+        content.append({"type": "text", "text": a.prompt})
         system = [{"role": "system", "content": kw.pop("system")}] if a.system else []
         kw["messages"] = [*system, {"role": "user", "content": content}]
     with step(a, f"loading {a.bundle}"):
         model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
-    prompt = None if a.image else a.prompt
+    prompt = None if a.image or clips else a.prompt
     if a.json:
         result = model.generate(prompt, **kw)
         _save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
@@ -175,6 +181,7 @@ def cmd_chat(a):
     model.use_drafts(a.draft)
     _load_cache(model, a.prompt_cache)
     system, think, messages = a.system, a.think, []
+    clips = []  # /audio's clips (samples), sent with the next message
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes arrive as surrogates, refused per line
         sys.stdin.reconfigure(errors="surrogateescape")
@@ -189,13 +196,13 @@ def cmd_chat(a):
         if not line.strip():
             continue
         if line == "/reset":
-            messages = []
+            messages, clips = [], []
             model.reset()
             print("(conversation cleared)")
             continue
         if line.startswith("/system"):
             system = line[len("/system") :].strip() or None
-            messages = []
+            messages, clips = [], []
             print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
             continue
         if line.startswith("/think"):
@@ -206,9 +213,19 @@ def cmd_chat(a):
             think = arg == "on"
             print(f"(thinking {arg})")
             continue
+        if line == "/audio" or line.startswith("/audio "):
+            try:
+                clips.append(_clip(model, line[len("/audio") :].strip()))
+            except ValueError as e:  # no such file, not audio, too long: this command only, never the chat
+                print(f"gemma-ane chat: error: {e}", file=sys.stderr)
+                continue
+            print(f"(audio: {len(clips[-1]) / SAMPLE_RATE:.1f} s, sent with your next message)")
+            continue
         head = [{"role": "system", "content": system}] if system else []
+        content = [{"type": "audio", "audio": x} for x in clips] + [{"type": "text", "text": line}] if clips else line
+        clips = []
         try:
-            fitted = _fit_context(model, head, [*messages, {"role": "user", "content": line}], think, a.max_tokens)
+            fitted = _fit_context(model, head, [*messages, {"role": "user", "content": content}], think, a.max_tokens)
             if fitted is None:
                 continue
             answer, last = _answer(model, head + fitted, think, a)
@@ -219,6 +236,15 @@ def cmd_chat(a):
             _save_cache(model, a.prompt_cache, last.prompt_tokens, system, line, think)
         messages = [*fitted, {"role": "assistant", "content": answer}]
     return 0
+
+
+def _clip(model, path: str):
+    """/audio's clip: the file's samples, checked against the bundle's audio model (the error names the file)."""
+    if not path:
+        raise InputError("usage: /audio FILE")
+    if model.audio is None:
+        raise AudioError("/audio: this bundle has no audio model (converted without one)")
+    return load_audio(path, "/audio", model.audio.max_seconds)
 
 
 def _answer(model, convo: list[dict], think: bool, a):
@@ -280,6 +306,13 @@ def add_commands(sub) -> None:
         metavar="PATH",
         help="an image the prompt is about, placed before its text (repeat for more; needs a bundle with vision)",
     )
+    s.add_argument(
+        "--audio",
+        action="append",
+        metavar="PATH",
+        help="a sound clip the prompt is about (WAV, FLAC, ...), placed before its text (repeat for more; needs a "
+        "bundle with an audio model)",
+    )
     add_image_pixels(s)
     s.add_argument("--raw", action="store_true", help="no chat template: <bos> + the text")
     s.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
@@ -291,7 +324,7 @@ def add_commands(sub) -> None:
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("chat", help="multi-turn chat (reads stdin; /reset, /system TEXT, /think on|off)")
+    s = sub.add_parser("chat", help="multi-turn chat (reads stdin; /reset, /system TEXT, /think on|off, /audio FILE)")
     s.add_argument("bundle", help="bundle directory")
     _add_sampling(s)
     s.set_defaults(fn=cmd_chat)

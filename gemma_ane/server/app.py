@@ -51,7 +51,7 @@ __all__ = ["APIError", "ImageLimits", "Job", "Vocab", "Worker", "build_app", "ma
 
 
 def _image_url_chars(body: dict) -> int:
-    """The characters of a chat request's image_url URLs: the part of the body the image allowance is for."""
+    """The characters of a chat request's image_url URLs and input_audio data: what the media allowance is for."""
     messages = body.get("messages")
     total = 0
     for m in messages if isinstance(messages, list) else ():
@@ -61,6 +61,10 @@ def _image_url_chars(body: dict) -> int:
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 total += len(url) if isinstance(url, str) else 0
+            elif isinstance(part, dict) and part.get("type") == "input_audio":  # the audio allowance is for these
+                clip = part.get("input_audio")
+                data = clip.get("data") if isinstance(clip, dict) else None
+                total += len(data) if isinstance(data, str) else 0
     return total
 
 

@@ -11,6 +11,7 @@ import sys
 
 from ..errors import GemmaAneError, InputError
 from ..runtime import grammar
+from ..runtime.audio import AudioError, input_audio_bytes, load_audio
 from ..runtime.chat import ChatError, StopError, check_stop
 from ..runtime.images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from ..runtime.sampling import FIELDS, SamplingError, SamplingParams
@@ -86,10 +87,10 @@ class ImageLimits:
         fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
 
     def max_body(self, model) -> int:
-        """The default body limit: text, plus max_images files as base64 when the model takes images."""
-        if getattr(model, "images", None) is None:
-            return TEXT_BODY
-        return TEXT_BODY + self.max_images * 4 * -(-self.max_image_bytes // 3)
+        """The default body limit: text, plus max_images files as base64 when the model takes images, plus
+        MAX_AUDIOS clips' (audio_limit) when it takes audio."""
+        images = 0 if getattr(model, "images", None) is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
+        return TEXT_BODY + images + MAX_AUDIOS * 4 * -(-audio_limit(model) // 3)
 
 
 def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
@@ -119,6 +120,7 @@ def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dic
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
     _images(out, model, limits, fetched)
+    _audios(out, model)
     return out
 
 
@@ -138,9 +140,11 @@ def _part(part, where: str) -> dict:
             param = f"{where}.image_url.detail"
             raise APIError(400, f"{param}={detail!r}: expected 'auto', 'low' or 'high'", param=param)
         return dict(part)
+    if kind == "input_audio":  # its object is checked as it is decoded (_audios), once the model is known to hear
+        return dict(part)
     if kind == "text" or not isinstance(kind, str):
         raise APIError(400, f"{where}: expected {{'type': 'text', 'text': a string}} or an image_url part", param=where)
-    raise APIError(400, f"{where}: part type {kind!r} is not supported (text and image_url)", param=where)
+    raise APIError(400, f"{where}: part type {kind!r} is not supported (text, image_url and input_audio)", param=where)
 
 
 def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> None:
@@ -173,20 +177,72 @@ def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> 
         content[j] = {"type": "image", "image": _image_file(url, f"{where}.image_url", limits, fetched)}
 
 
-def _no_images_here(messages: list[dict], i: int) -> str | None:
-    """Why the chat template would drop the images of messages[i] (their placeholders never rendered), or None."""
+def _no_images_here(messages: list[dict], i: int, media: str = "images") -> str | None:
+    """Why the chat template would drop the `media` of messages[i] (their placeholders never rendered), or None."""
     role = messages[i]["role"]
     if role == "system" and i == 0:
-        return "a leading system message cannot hold images (the template renders only its text)"
+        return f"a leading system message cannot hold {media} (the template renders only its text)"
     if role == "tool":
         k = i
         while k > 0 and messages[k - 1]["role"] == "tool":
             k -= 1
         if k == 0 or not messages[k - 1].get("tool_calls"):
-            return "a tool message that answers no assistant tool_calls cannot hold images (the template drops it)"
+            return f"a tool message that answers no assistant tool_calls cannot hold {media} (the template drops it)"
     if role not in ("user", "assistant", "system", "tool"):
-        return f"a {role!r} message cannot hold images"
+        return f"a {role!r} message cannot hold {media}"
     return None
+
+
+# Audio parts (OpenAI's input_audio). A clip's file is at most audio_limit bytes: the bundle's longest clip (its
+# largest bucket) as 48 kHz stereo 32-bit PCM, the largest common uncompressed recording, plus a header's room;
+# a compressed file of that length is smaller. MAX_AUDIOS clips a request, as max_images images.
+MAX_AUDIOS = 4
+AUDIO_BYTES_PER_SECOND = 48_000 * 2 * 4
+AUDIO_HEADER = 65_536
+
+
+def audio_limit(model) -> int:
+    """The largest audio file a request may send this model, in bytes: 0 when it has no audio model."""
+    encoder = getattr(model, "audio", None)
+    return 0 if encoder is None else int(encoder.max_seconds * AUDIO_BYTES_PER_SECOND) + AUDIO_HEADER
+
+
+def _audios(messages: list[dict], model) -> None:
+    """Replaces each input_audio part by {"type": "audio", "audio": its samples (float32 at 16 kHz)}, decoded
+    once here by the runtime's reader (the runtime takes the samples as they are; its cache is keyed by their full
+    hash), once the request is within every limit: the model hears, the clips' count, where they stand, then each
+    file's format field, base64, size, and its sound (audio, not silent, no longer than the largest bucket)."""
+    found = [
+        (m["content"], i, j, f"messages[{i}].content[{j}]")
+        for i, m in enumerate(messages)
+        if isinstance(m["content"], list)
+        for j, p in enumerate(m["content"])
+        if p["type"] == "input_audio"
+    ]
+    if not found:
+        return
+    encoder = getattr(model, "audio", None)
+    if encoder is None:
+        where = found[0][3]
+        raise APIError(400, f"{where}: this bundle has no audio model (converted without one)", param=where)
+    if len(found) > MAX_AUDIOS:
+        message = f"messages: {len(found)} audio clips, more than the {MAX_AUDIOS} a request may hold"
+        raise APIError(400, message, param="messages")
+    for _, i, _, where in found:
+        why = _no_images_here(messages, i, "audio")
+        if why:
+            raise APIError(400, f"{where}: {why}; send audio in user messages", param=where)
+    limit = audio_limit(model)
+    for content, _, j, where in found:
+        try:
+            data = input_audio_bytes(content[j].get("input_audio"), f"{where}.input_audio")
+            if len(data) > limit:
+                message = f"{where}: the audio file is {len(data)} bytes, more than the limit of {limit}"
+                raise APIError(413, message, param=where, code="audio_too_large")
+            samples = load_audio(data, where, encoder.max_seconds)
+        except AudioError as e:
+            raise APIError(400, str(e), param=where) from None
+        content[j] = {"type": "audio", "audio": samples}
 
 
 def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
@@ -521,7 +577,7 @@ def error_of(exc: BaseException) -> APIError:
     if status >= 500:
         return APIError(status, "the generation failed; see the server log", type="server_error", code=code)
     param = exc.param if isinstance(exc, GemmaAneError) else None
-    if isinstance(exc, ImageError):  # found by the runtime as it decodes: the message names the part
+    if isinstance(exc, (ImageError, AudioError)):  # found by the runtime as it decodes: the message names the part
         part = _PART.match(str(exc))
         param = part.group(0) if part else "messages"
     return APIError(status, str(exc), param=param, code=code)

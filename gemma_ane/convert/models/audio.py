@@ -23,6 +23,11 @@ Shaped for the ANE as vision.py is: batch 1, static shapes, every projection an 
   only the subsampling convolutions (which look one frame ahead) need the clip's mask, and they take it as
   transformers does, zeroing masked frames before each convolution. The rows past the clip differ from
   transformers' (which masks their padded keys), and both drop them.
+- a block's keys padded from `context` (E2B: 24) to a multiple of 32 with zero keys and values, their logits
+  blocked by the mask: the Neural Engine pads a tensor's last axis to 64 bytes, and 24 fp16 columns of logits
+  would pay for 32 anyway, in a layout Apple's guidance asks to avoid (`inspect --ane`'s last-axis rule). The
+  numbers do not change: a blocked logit's exp is 0 in fp16 and fp32 alike (below), so the padding adds zeros
+  to the softmax's sum and zero rows of values to its weighted sum.
 - blocked logits get -1e4 added rather than transformers' -1e9 fill: after the 50 softcap a logit is within
   +-50, so exp underflows to 0 either way, and -1e4 stays finite in fp16 (-1e9 is -inf there, and a row of -inf
   is NaN).
@@ -51,6 +56,7 @@ from .vision import BOUNDS, ClippableLinear
 
 MASK_VALUE = -1e4
 FP16_MAX = 65504.0
+KEY_COLUMNS = 32  # 64 bytes of fp16: the Neural Engine pads a last axis to that
 
 
 class AudioTowerError(ConversionError):
@@ -87,6 +93,11 @@ class AudioSpec:
     @property
     def context(self) -> int:  # keys per block: the past, then the block itself (no right context)
         return self.past + self.chunk
+
+    @property
+    def keys(self) -> int:
+        """Key columns per block in the graph: `context` padded to a multiple of KEY_COLUMNS (module doc)."""
+        return -(-self.context // KEY_COLUMNS) * KEY_COLUMNS
 
     @classmethod
     def from_config(cls, config: dict) -> AudioSpec | None:
@@ -249,7 +260,7 @@ class AudioAttention(nn.Module):
         self.relative_k_proj = nn.Linear(H, H, bias=False)
         self.per_dim_scale = nn.Parameter(torch.zeros(D))
         # filled by freeze(): (heads, chunk, D, context) position keys; (D,) query scale
-        self.register_buffer("relative_keys", torch.zeros(nh, C, D, s.context), persistent=False)
+        self.register_buffer("relative_keys", torch.zeros(nh, C, D, s.keys), persistent=False)
         self.register_buffer("q_scale", torch.zeros(D), persistent=False)
         self.k_scale = math.log(1 + math.e) / math.log(2)
 
@@ -267,14 +278,14 @@ class AudioAttention(nn.Module):
         positions = (s.chunk + s.context_left - 1) // 2 + 1  # transformers' rel_pos_enc.context_size // 2 + 1
         keys = (sinusoids(positions, s.hidden_size) @ w.T).view(positions, nh, D)
         one_hot = torch.eye(positions).expand(C, positions, positions).permute(1, 0, 2)  # [p, row, p'] = p == p'
-        where = rel_shift(one_hot, ctx)  # [p, row, column]: 1 where distance p lands
+        where = F.pad(rel_shift(one_hot, ctx), (0, s.keys - ctx))  # [p, row, column]: 1 where distance p lands
         self.relative_keys.copy_(torch.einsum("prc,phd->hrdc", where, keys))
         # 1 / logit_cap folded in too: the softcap's tanh(logits / cap) then reads the matmuls as they are, and
         # their fp16 sums are 50x further from overflowing
         self.q_scale.copy_(D**-0.5 / math.log(2) * F.softplus(self.per_dim_scale.float()) / s.logit_cap)
 
     def forward(self, x, mask):
-        """x (1, T, H) with T a multiple of chunk; mask (1, blocks, chunk, context) additive."""
+        """x (1, T, H) with T a multiple of chunk; mask (1, blocks, chunk, keys) additive."""
         s = self.spec
         nh, D, C = s.num_heads, s.head_dim, s.chunk
 
@@ -284,11 +295,11 @@ class AudioAttention(nn.Module):
         q = blocks(self.q_proj) * self.q_scale
         k, v = blocks(self.k_proj) * self.k_scale, blocks(self.v_proj)
 
-        def context(t):  # (heads, blocks, context, D): the past blocks' rows, then the block's own
+        def context(t):  # (heads, blocks, keys, D): the past blocks' rows, the block's own, then zero rows
             past = [F.pad(t, (0, 0, 0, 0, n, 0))[:, :-n] for n in range(s.past // C, 0, -1)]
-            return torch.cat([*past, t], dim=2)
+            return F.pad(torch.cat([*past, t], dim=2), (0, 0, 0, s.keys - s.context))
 
-        content = torch.matmul(q, context(k).transpose(2, 3))  # (heads, blocks, chunk, context)
+        content = torch.matmul(q, context(k).transpose(2, 3))  # (heads, blocks, chunk, keys)
         position = torch.matmul(q.permute(0, 2, 1, 3), self.relative_keys).permute(0, 2, 1, 3)  # batched over rows
         logits = torch.tanh(content + position) * s.logit_cap + mask  # q carries 1 / logit_cap (freeze)
         attn = torch.matmul(torch.softmax(logits, dim=-1), context(v))  # (heads, blocks, chunk, D)
@@ -345,12 +356,12 @@ class ConformerLayer(nn.Module):
 
 
 def block_mask(spec: AudioSpec, rows: int) -> torch.Tensor:
-    """(1, blocks, chunk, context) additive: 0 where transformers' sliding window lets query row q see key j
+    """(1, blocks, chunk, keys) additive: 0 where transformers' sliding window lets query row q see key j
     (0 <= q - j < context_left - 1, and j >= 0: keys before the clip are the blocked keys' zero padding), -1e4
-    elsewhere."""
+    elsewhere, the padding columns past `context` included (their j is past every row of the block)."""
     C, nb = spec.chunk, rows // spec.chunk
     q = torch.arange(nb)[:, None, None] * C + torch.arange(C)[None, :, None]
-    j = torch.arange(nb)[:, None, None] * C + torch.arange(spec.context)[None, None, :] - spec.past
+    j = torch.arange(nb)[:, None, None] * C + torch.arange(spec.keys)[None, None, :] - spec.past
     allowed = (j >= 0) & (q - j >= 0) & (q - j < spec.past)
     return torch.where(allowed, 0.0, MASK_VALUE)[None]
 
