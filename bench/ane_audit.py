@@ -21,10 +21,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 
-from gemma_ane.audit import audit_bundle, format_audit  # noqa: E402
 from gemma_ane.bundle import chunk_paths  # noqa: E402
-from gemma_ane.engine import RING  # noqa: E402
-from gemma_ane.package import Package  # noqa: E402
+from gemma_ane.mil.package import Package  # noqa: E402
+from gemma_ane.runtime.audit import audit_bundle, format_audit  # noqa: E402
+from gemma_ane.runtime.engine import RING  # noqa: E402
 
 
 def state_bytes(root: Path, tokens: int) -> tuple[int, int]:

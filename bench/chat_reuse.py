@@ -47,7 +47,7 @@ def bundle_for(a, tmp: str) -> tuple[Path, str]:
 def build(work: Path, quick: bool) -> tuple[Path, str]:
     """The bundle this benchmark converts itself, cached in `work`; and what it is."""
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     preset, context = ("e2b-mini", 128) if quick else ("e2b-narrow", 2048)
     root = work / f"{preset}-{context}"

@@ -63,7 +63,7 @@ def publish(title: str, body: str, args) -> None:
 def tiny_bundle(tmp: Path, bits: int) -> Path:
     """An e2b-mini checkpoint converted at context 128: what --quick modes run on."""
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     write_tiny(tmp / "ckpt", preset="e2b-mini")
     convert(

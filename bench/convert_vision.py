@@ -37,7 +37,7 @@ def write_checkpoint(out: Path, quick: bool) -> None:
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from gemma_ane.tiny import VISION, _save, checkpoint_dir
+    from gemma_ane.oracle.tiny import VISION, _save, checkpoint_dir
 
     config = hub_config("e2b", quick=False)
     config["text_config"].update(QUICK, hidden_size=1536 if not quick else 64)
@@ -68,12 +68,12 @@ def write_checkpoint(out: Path, quick: bool) -> None:
 
 def child(ckpt: str, out: str, bits: int) -> None:
     """One conversion; its figures as a JSON line on stdout."""
-    from gemma_ane.audit import audit_package
     from gemma_ane.bundle.layout import VISION_POSITION_TABLE
     from gemma_ane.convert import ConvertOptions, StageTimer
     from gemma_ane.convert.vision import convert_vision
     from gemma_ane.files import tree_size
-    from gemma_ane.package import Package, macs, weight_bytes
+    from gemma_ane.mil.package import Package, macs, weight_bytes
+    from gemma_ane.runtime.audit import audit_package
 
     timer, t0 = StageTimer(), time.perf_counter()
     Path(out).mkdir(parents=True)
@@ -105,8 +105,8 @@ def test_image(ckpt: Path):
     from PIL import Image
 
     from gemma_ane.convert.vision import open_vision
-    from gemma_ane.encoder import encoder_inputs
-    from gemma_ane.images import preprocess
+    from gemma_ane.runtime.encoder import encoder_inputs
+    from gemma_ane.runtime.images import preprocess
 
     spec, c = open_vision(ckpt, BUDGET)
     try:
@@ -141,7 +141,7 @@ def reference(ckpt: Path, path: Path) -> None:
 
 def quality(ckpt: Path, package: str, ref: str) -> None:
     """One executor run of test_image against the reference, in its own process: cosines, time, peak RSS."""
-    from gemma_ane.backend import MILBackend
+    from gemma_ane.runtime.backend import MILBackend
 
     inputs, p = test_image(ckpt)
     t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def main(argv=None):
         package = work / f"vision{bits}-{stamp}" / "vision.mlpackage"
         r["quality"] = run_child(ckpt, "--quality", str(package), str(work / f"reference-{stamp}.npy"))
 
-    from gemma_ane.checkpoint import Checkpoint
+    from gemma_ane.convert.checkpoint import Checkpoint
 
     c = Checkpoint(ckpt)
     shapes = {

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 
 from gemma_ane.bundle import RowTable  # noqa: E402
-from gemma_ane.drafter import CentroidHead  # noqa: E402
+from gemma_ane.runtime.drafter import CentroidHead  # noqa: E402
 
 E2B = dict(vocab=262_144, clusters=2048, top_k=32, width=256)
 QUICK = dict(vocab=4096, clusters=64, top_k=8, width=64)

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record, tiny_bundle  # noqa: E402
 
-from gemma_ane.backend import open_engine  # noqa: E402
+from gemma_ane.runtime.backend import open_engine  # noqa: E402
 
 MATMUL = {"linear", "matmul"}
 

@@ -42,7 +42,7 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
 
 
 def run_executor(bundle: str, n_prompt: int, n_decode: int) -> dict:
-    from gemma_ane.backend import open_engine
+    from gemma_ane.runtime.backend import open_engine
 
     t = time.perf_counter()
     engine = open_engine(bundle, "mil")

@@ -10,7 +10,7 @@ chosen token's logprob (opt-in in the runtime: a log-sum-exp over the whole voca
 median and p99 per token (target: <= 1 ms median) and the resident memory after the run, which
 must not grow with the table size.
 
-Then structured output (gemma_ane.grammar): the per-token cost of the grammar mask and of consuming
+Then structured output (gemma_ane.runtime.grammar): the per-token cost of the grammar mask and of consuming
 the token, for any JSON object, an 8-field schema and a forced tool call, over a vocabulary of the
 real size whose tokens are nearly all text (the tiny tokenizer padded to that size is nearly all
 special tokens, which no grammar allows: a mask over it would cost nothing); the one-time tokenizer
@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 
 from gemma_ane.bundle import load_host  # noqa: E402
-from gemma_ane.engine import Engine  # noqa: E402
-from gemma_ane.grammar import Constraint, response_grammar, tool_call_grammar  # noqa: E402
-from gemma_ane.sampling import Sampler, SamplingParams  # noqa: E402
-from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer  # noqa: E402
-from gemma_ane.tokens import (  # noqa: E402
+from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer  # noqa: E402
+from gemma_ane.runtime.engine import Engine  # noqa: E402
+from gemma_ane.runtime.grammar import Constraint, response_grammar, tool_call_grammar  # noqa: E402
+from gemma_ane.runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from gemma_ane.runtime.tokens import (
     EOS,
     STRING_DELIM,
     TOOL_CALL_CLOSE,
@@ -260,7 +260,7 @@ def grammar_costs(d: dict, tokens: int, root: Path) -> str:
         )
     return "\n".join(
         [
-            f"Structured output (gemma_ane.grammar, llguidance {version('llguidance')}): vocabulary of {V} tokens, "
+            f"Structured output (runtime/grammar.py, llguidance {version('llguidance')}): vocabulary of {V} tokens, "
             "nearly all text; per token, in microseconds",
             "",
             f"- tokenizer build for the grammar engine, once per bundle: {build:.2f} s",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, publish  # noqa: E402
 
 from gemma_ane.files import building  # noqa: E402
-from gemma_ane.tiny import checkpoint_dir  # noqa: E402
+from gemma_ane.oracle.tiny import checkpoint_dir  # noqa: E402
 
 CONFIGS = {name: ROOT / "tests" / "fixtures" / f"{name}_config.json" for name in ("e2b", "e4b")}
 S, F = "sliding_attention", "full_attention"

@@ -128,8 +128,8 @@ def corpus(path: Path, words: int, seed: int = 0) -> Path:
 
 def measure(ckpt: Path, out: Path, text: Path, quant: str, bits: int, context: int) -> dict:
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.evaluate import evaluate
     from gemma_ane.files import tree_size
+    from gemma_ane.oracle.evaluate import evaluate
 
     t0 = time.perf_counter()
     convert(str(ckpt), str(out), ConvertOptions(context=context, bits=bits, quant=quant, vision=False), progress=False)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md")
     args = p.parse_args(argv)
 
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)

@@ -3,7 +3,7 @@
     python bench/server_load.py BUNDLE [--requests 200] [--clients 4] [--max-tokens 8] [--backend auto]
     python bench/server_load.py --quick      # 20 requests; converts a tiny e2b-mini bundle if none is given
 
-Starts `python -m gemma_ane.server` on a free loopback port, sends a fixed number of requests
+Starts `python -m gemma_ane.server.app` on a free loopback port, sends a fixed number of requests
 (each with its own seed) from the clients, checks that every one answered 200 with a finish
 reason and the asked-for usage, and prints p50/p99 latency and throughput. Latency includes the
 wait in the server's queue: with one engine, clients share it. Appends the table to BENCHMARKS.md.
@@ -40,7 +40,7 @@ def start_server(bundle: Path, backend: str, clients: int, log) -> tuple[subproc
         [
             sys.executable,
             "-m",
-            "gemma_ane.server",
+            "gemma_ane.server.app",
             str(bundle),
             "--port",
             str(port),

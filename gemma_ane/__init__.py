@@ -18,9 +18,9 @@ def load(
     exact_rope=True,
     max_image_pixels=None,
 ):
-    """Open a bundle: see gemma_ane.runtime.load (max_image_pixels None: its default, images.MAX_PIXELS)."""
-    from .images import MAX_PIXELS
-    from .runtime import load as _load
+    """Open a bundle: see gemma_ane.runtime.model.load (max_image_pixels None: its default, images.MAX_PIXELS)."""
+    from .runtime.images import MAX_PIXELS
+    from .runtime.model import load as _load
 
     return _load(
         bundle,

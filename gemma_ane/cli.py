@@ -15,13 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import files
+from .bundle.plan import ChunkPlan, parse_split, split_for_budget
+from .bundle.spec import ConfigError, ModelSpec
 from .errors import GemmaAneError
 from .files import write_json
-from .grammar import GrammarError, response_grammar
-from .images import MAX_PIXELS
-from .sampling import FIELDS, SamplingParams
-from .spec import ChunkPlan, ConfigError, ModelSpec, parse_split, split_for_budget
-from .tools import MAX_DEPTH
+from .runtime.grammar import GrammarError, response_grammar
+from .runtime.images import MAX_PIXELS
+from .runtime.sampling import FIELDS, SamplingParams
+from .runtime.tools import MAX_DEPTH
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
@@ -69,7 +70,7 @@ def cmd_plan(a):
 
 
 def cmd_tiny(a):
-    from .tiny import write_tiny
+    from .oracle.tiny import write_tiny
 
     out = write_tiny(
         a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
@@ -79,7 +80,7 @@ def cmd_tiny(a):
 
 
 def cmd_verify(a):
-    from .verify import verify_bundle, verify_graph
+    from .oracle.verify import verify_bundle, verify_graph
 
     if a.image and not a.bundle:
         raise ValueError("--image: needs --bundle (the images go through the bundle's vision model)")
@@ -128,7 +129,7 @@ def cmd_verify(a):
 
 
 def cmd_eval(a):
-    from .evaluate import evaluate
+    from .oracle.evaluate import evaluate
 
     report = evaluate(
         a.src, a.bundle, a.text, context=a.context, stride=a.stride, precision=a.precision, progress=not a.quiet
@@ -208,7 +209,7 @@ def cmd_inspect(a):
     from .bundle import ONE_FUNCTION_MODELS, inspect_bundle
 
     if a.ane:
-        from .audit import audit_bundle, format_audit
+        from .runtime.audit import audit_bundle, format_audit
 
         audit = audit_bundle(a.bundle)
         print(json.dumps(audit, indent=2) if a.json else format_audit(audit))
@@ -658,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("bundle")
     s.set_defaults(fn=cmd_check)
 
-    from . import server  # its web stack is imported only when `serve` runs
+    from .server import app as server  # its web stack is imported only when `serve` runs
 
     server.add_parser(sub)
 

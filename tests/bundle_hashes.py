@@ -73,7 +73,7 @@ def sources(root: Path, preset: str) -> dict[str, Path]:
 
 def convert_case(root: Path, case: str) -> dict[str, str]:
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     preset, drafter, options = CASES[case]
     paths = sources(root, preset)

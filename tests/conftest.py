@@ -58,7 +58,7 @@ def built_once(factory, name: str, build) -> Path:
 
 
 def _tiny(factory, name, **kw):
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     return built_once(factory, name, lambda d: write_tiny(d / "ckpt", **kw)) / "ckpt"
 
@@ -71,7 +71,7 @@ def tiny_e2b(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     """e2b-mini (tiny_e2b's weights) and its matched drafter, as `gemma-ane tiny CKPT --assistant ASST` writes them."""
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     d = built_once(tmp_path_factory, "pair", lambda d: write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst"))
     return d / "ckpt", d / "asst"

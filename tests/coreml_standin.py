@@ -3,7 +3,7 @@
 There is no Mac in CI. coremltools' Python front-end (`MLModel`, `CompiledMLModel`, `MLState`,
 `utils.compile_model`) runs unchanged; `install()` replaces only what that front-end calls in its
 native extension `libcoremlpython` (absent off macOS), runs the programs on our MIL executor
-(`gemma_ane.mil`), and makes coremltools' macOS checks and our own `platform.system()` say macOS 15.
+(`gemma_ane.mil.executor`), and makes coremltools' macOS checks and our own `platform.system()` say macOS 15.
 
 The native contract, as coremltools 9.0 uses it (models/model.py, models/_compiled_model.py,
 models/utils.py; coremlpython/CoreMLPython.mm, CoreMLPythonUtils.mm, CoreMLPythonArray.mm):
@@ -60,14 +60,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma_ane.mil import MILPackage, MILState
-from gemma_ane.package import Package
+from gemma_ane.mil.executor import MILPackage, MILState
+from gemma_ane.mil.package import Package
 
 MACOS = (15, 0)
 UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 MARKER = "standin.json"
 # our modules that ask platform.system() whether they are on a Mac
-PLATFORM_MODULES = ("gemma_ane.backend", "gemma_ane.convert.driver", "gemma_ane.convert.options")
+PLATFORM_MODULES = ("gemma_ane.runtime.backend", "gemma_ane.convert.driver", "gemma_ane.convert.options")
 
 
 @dataclass

@@ -60,7 +60,7 @@ def assert_greedy_prefix(ours, ref, ref_rows, err: float, min_steps: int, where=
 
 
 def assert_top1(report: dict, err: float, where="") -> int:
-    """A verify report's (`gemma_ane.verify.compare`) top-1 agreement, margin-aware: at every position where ours'
+    """A verify report's (`oracle.verify.compare`) top-1 agreement, margin-aware: at every position where ours'
     argmax is not the reference's, the reference's top logit is at most 2 x err above its logit for our token.
     `err` is a stated bound on the |logit error| of the two computations, not the run's own max |logit diff|
     (against which every miss is a near-tie by construction). Returns the number of (tied) misses."""

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma_ane.chat import ChatTemplate
-from gemma_ane.runtime import Model
-from gemma_ane.tokenizer_files import build_tokenizer
+from gemma_ane.oracle.tokenizer_files import build_tokenizer
+from gemma_ane.runtime.chat import ChatTemplate
+from gemma_ane.runtime.model import Model
 
 TEMPLATE = (Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja").read_text()
 VOCAB = 1024

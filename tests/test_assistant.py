@@ -12,9 +12,9 @@ import safetensors.torch
 import torch
 from safetensors.numpy import load_file
 
+from gemma_ane.bundle.spec import AssistantSpec, ConfigError, ModelSpec
 from gemma_ane.cli import main
-from gemma_ane.spec import AssistantSpec, ConfigError, ModelSpec
-from gemma_ane.tiny import assistant_config, build_assistant, build_model, text_config
+from gemma_ane.oracle.tiny import assistant_config, build_assistant, build_model, text_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 W, H = 16, 64  # e2b-mini's window and hidden size

@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf  # the audio extra, in `all`: a missing install fails here rather than skipping
 import soxr
 
-from gemma_ane import audio
-from gemma_ane.audio import AudioError
+from gemma_ane.runtime import audio
+from gemma_ane.runtime.audio import AudioError
 
 SR = audio.SAMPLE_RATE
 

@@ -9,17 +9,17 @@ import pytest
 
 from gemma_ane.bundle import BundleError
 from gemma_ane.bundle.schema import AUDIO_FIELDS, AudioConfig, audio_function, check_model_config
-from gemma_ane.chat import ChatTemplate
 from gemma_ane.convert import ConvertOptions
 from gemma_ane.convert.audio import AudioComponent, buckets, token_ids
 from gemma_ane.convert.models.audio import AudioSpec
 from gemma_ane.convert.options import AUDIO_BUCKET_SECONDS, ConvertError
-from gemma_ane.tokenizer_files import (
+from gemma_ane.oracle.tokenizer_files import (
     GEMMA4_AUDIO_CHAT_TEMPLATE,
     GEMMA4_CHAT_TEMPLATE,
     TINY_AUDIO_TOKENS,
     build_tokenizer,
 )
+from gemma_ane.runtime.chat import ChatTemplate
 
 
 def config_with(entry: dict) -> dict:
@@ -126,7 +126,7 @@ def test_gemma_4s_own_template_and_the_built_in_formatter_agree_on_audio_parts()
     """Google's template (tests/fixtures) renders both audio part types as one `<|audio|>`, as ours do."""
     from pathlib import Path
 
-    from gemma_ane.chat import gemma4_prompt
+    from gemma_ane.runtime.chat import gemma4_prompt
 
     google = ChatTemplate((Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja").read_text())
     content = [{"type": "audio", "audio": "a.wav"}, {"type": "input_audio"}, {"type": "text", "text": "Hi"}]

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from gemma_ane import audio
 from gemma_ane.convert.audio import convert_audio_tower
 from gemma_ane.convert.models.audio import AudioSpec, load_audio_tower
-from gemma_ane.mil import MILModel
-from gemma_ane.tiny import build_model
+from gemma_ane.mil.executor import MILModel
+from gemma_ane.oracle.tiny import build_model
+from gemma_ane.runtime import audio
 
 FP32 = types.fp32
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import soundfile
 
-from gemma_ane import audio, load
-from gemma_ane.audio import AudioError
+from gemma_ane import load
 from gemma_ane.bundle import inspect_bundle, read_model_config
 from gemma_ane.bundle.schema import audio_function
-from gemma_ane.tokenizer_files import TINY_AUDIO_TOKENS
-from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, FP32_MIN_COSINE, verify_bundle
+from gemma_ane.oracle.tokenizer_files import TINY_AUDIO_TOKENS
+from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, FP32_MIN_COSINE, verify_bundle
+from gemma_ane.runtime import audio
+from gemma_ane.runtime.audio import AudioError
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,7 @@ def test_the_bundle_states_its_audio_model(audio_bundle):
 
 
 def test_the_neural_engine_audit_covers_the_audio_model(audio_bundle):
-    from gemma_ane.audit import audit_bundle
+    from gemma_ane.runtime.audit import audit_bundle
 
     report = audit_bundle(audio_bundle)
     entry = next(c for c in report["models"] if c["name"] == "audio")
@@ -248,7 +249,7 @@ def test_a_bundle_without_audio_says_so(audio_bundle, clips):
 
 
 def test_load_opens_the_audio_model_only_when_the_config_states_one(audio_bundle):
-    from gemma_ane.encoder import open_audio_encoder
+    from gemma_ane.runtime.encoder import open_audio_encoder
 
     config = read_model_config(audio_bundle)
     assert (

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from gemma_ane import audio
 from gemma_ane.convert.models.audio import (
     AudioModel,
     AudioSpec,
@@ -19,7 +18,8 @@ from gemma_ane.convert.models.audio import (
     load_audio_tower,
     rel_shift,
 )
-from gemma_ane.tiny import AUDIO, build_model
+from gemma_ane.oracle.tiny import AUDIO, build_model
+from gemma_ane.runtime import audio
 
 FRAMES = 192  # 1.9 s; 48 soft-token rows, four attention blocks
 LENGTHS = [161, 1000, 7919, 16000, 23456, 30528]  # 1 .. 48 tokens: one frame, mid-block, a bucket filled exactly

@@ -10,10 +10,11 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, get_new_symbol, types
 
-from gemma_ane import audit, host
-from gemma_ane.audit import audit_bundle, format_audit
+from gemma_ane.bundle import host
 from gemma_ane.cli import main
-from gemma_ane.package import Package
+from gemma_ane.mil.package import Package
+from gemma_ane.runtime import audit
+from gemma_ane.runtime.audit import audit_bundle, format_audit
 
 iOS18 = ct.target.iOS18
 

@@ -139,7 +139,7 @@ def test_cost_model_quick(quick_bundle):
 def drafter_bundle(tmp_path_factory):
     """A tiny target and drafter, converted with --assistant at K = 2 (16 bits, no KV-only prefill: quick)."""
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     d = tmp_path_factory.mktemp("drafter")
     write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")

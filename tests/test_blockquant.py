@@ -9,7 +9,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
 from gemma_ane.convert.blockquant import blockwise_weight, dequantize_blockwise, quantize_blockwise
-from gemma_ane.mil import MILModel
+from gemma_ane.mil.executor import MILModel
 
 
 def bf16(x: np.ndarray) -> np.ndarray:

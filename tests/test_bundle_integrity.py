@@ -17,8 +17,8 @@ import pytest
 import gemma_ane
 from gemma_ane.bundle import BundleError, check_bundle, read_model_config
 from gemma_ane.cli import main
-from gemma_ane.engine import NonFiniteOutput
-from gemma_ane.package import PackageError
+from gemma_ane.mil.package import PackageError
+from gemma_ane.runtime.engine import NonFiniteOutput
 
 WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"
 
@@ -110,7 +110,7 @@ def test_nan_logit_of_the_published_head_is_an_error(tiny_published, tmp_path, l
 def test_nan_logits_are_a_server_error(poisoned):
     from starlette.testclient import TestClient
 
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     http = TestClient(build_app(poisoned(3), model_name="bundle"))
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
@@ -177,7 +177,7 @@ def test_a_damaged_weight_header_is_one_line_naming_the_chunk(copy, capsys):
     for command in (["generate", str(b), "-p", "Hi", "--backend", "mil"], ["inspect", str(b)]):
         assert main(command) == 2
         assert want in one_line(capsys)
-    from gemma_ane.server import main as serve
+    from gemma_ane.server.app import main as serve
 
     assert serve([str(b), "--backend", "mil"]) == 2
     assert want in one_line(capsys)
@@ -213,7 +213,7 @@ def test_model_config_is_checked_field_by_field(copy, capsys, config, message):
     assert f"{path}: {message}" in one_line(capsys)
     assert main(["check", str(b)]) == 1
     assert f"{path}: {message}" in one_line(capsys)
-    from gemma_ane.server import main as serve
+    from gemma_ane.server.app import main as serve
 
     assert serve([str(b), "--backend", "mil"]) == 2
     assert f"{path}: {message}" in one_line(capsys)

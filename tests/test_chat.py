@@ -25,11 +25,11 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 import gemma_ane
-from gemma_ane.chat import ChatError, ChatTemplate, InvalidText, gemma4_prompt
 from gemma_ane.cli import main
-from gemma_ane.runtime import Model
-from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
-from gemma_ane.tokens import BOS, CHANNEL_OPEN, SPECIAL_TOKENS, TURN_CLOSE, TURN_OPEN
+from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+from gemma_ane.runtime.chat import ChatError, ChatTemplate, InvalidText, gemma4_prompt
+from gemma_ane.runtime.model import Model
+from gemma_ane.runtime.tokens import BOS, CHANNEL_OPEN, SPECIAL_TOKENS, TURN_CLOSE, TURN_OPEN
 
 TEMPLATE = Path(__file__).parent / "fixtures" / "gemma4_chat_template.jinja"
 TEMPLATE_SHA256 = "3beb16a140a78c7bf71cd86609f58e56f1594e670e95fe58bd6022f941d1cb1e"
@@ -292,7 +292,7 @@ def test_tool_declarations_stay_text_too(tok):
 
 
 def test_a_template_that_cannot_declare_tools_hands_them_to_the_built_in_format():
-    from gemma_ane.tokenizer_files import GEMMA4_CHAT_TEMPLATE
+    from gemma_ane.oracle.tokenizer_files import GEMMA4_CHAT_TEMPLATE
 
     tools = [{"type": "function", "function": {"name": "search", "description": "Find"}}]
     messages = [user("Hi"), assistant("", tool_calls=[CALL]), tool("found")]
@@ -365,7 +365,7 @@ def test_cli_chat_with_undecodable_input_says_so_in_one_line(loaded, capsys, mon
 def test_server_refuses_undecodable_text_with_a_400(tok):
     from starlette.testclient import TestClient
 
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     bodies = {
         "/v1/chat/completions": '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',

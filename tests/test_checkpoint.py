@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import gemma_ane.checkpoint as checkpoint_module
-from gemma_ane.checkpoint import Checkpoint, CheckpointError
+import gemma_ane.convert.checkpoint as checkpoint_module
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.convert.checkpoint import Checkpoint, CheckpointError
 from gemma_ane.convert.models.text import build_chunks
-from gemma_ane.spec import ChunkPlan
 
 TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 LM = "model.language_model."

@@ -14,7 +14,7 @@ from margins import assert_top1
 from safetensors.torch import load_file, save_file
 
 from gemma_ane.cli import main
-from gemma_ane.verify import FP32_LOGIT_ERR
+from gemma_ane.oracle.verify import FP32_LOGIT_ERR
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E2B = str(FIXTURES / "e2b_config.json")
@@ -267,7 +267,8 @@ def test_plan_error_in_a_real_process():
 
 
 def test_plan_context_is_bounded_by_max_position_embeddings(capsys):
-    from gemma_ane.spec import ChunkPlan, ConfigError, ModelSpec
+    from gemma_ane.bundle.plan import ChunkPlan
+    from gemma_ane.bundle.spec import ConfigError, ModelSpec
 
     rc, out, err = run(capsys, "plan", E2B, "--context", "1000000000")
     assert rc == 2 and out == ""

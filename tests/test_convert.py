@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.spec import FULL, SLIDING, ModelSpec
 from gemma_ane.convert import ConvertError, ConvertOptions, StageTimer, convert
-from gemma_ane.spec import FULL, SLIDING, ChunkPlan, ModelSpec
 
 CONTEXT = 128
 LM = "model.language_model."
@@ -328,8 +329,8 @@ def test_functions_reference_the_same_weight_blobs(bundle, plan):
 def test_merged_package_is_within_5_percent_of_one_function(bundle4, plan, tiny_e2b, tmp_path):
     import torch
 
-    from gemma_ane.checkpoint import Checkpoint
     from gemma_ane.convert import coreml as convert_mod
+    from gemma_ane.convert.checkpoint import Checkpoint
     from gemma_ane.convert.models.text import load_chunk
 
     # chunk_2 is the largest multifunction chunk of the tiny model
@@ -362,10 +363,10 @@ def test_convert_function_works_on_its_own(plan, tiny_e2b, tmp_path):
 
     script = f"""
 import torch
-from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
 from gemma_ane.convert.models.text import load_chunk
-from gemma_ane.spec import ChunkPlan
+from gemma_ane.bundle.plan import ChunkPlan
 ckpt = Checkpoint({str(tiny_e2b)!r})
 plan = ChunkPlan.build(ckpt.spec, {CONTEXT})
 chunk = plan.chunks[2]

@@ -5,20 +5,20 @@ import numpy as np
 import pytest
 import torch
 
-from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.bundle.host import MASK_BLOCKED
+from gemma_ane.bundle.plan import ChunkPlan
 from gemma_ane.convert import ConvertOptions, StageTimer, convert_function
+from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.text import load_chunk
-from gemma_ane.host import MASK_BLOCKED
-from gemma_ane.mil import MILModel
-from gemma_ane.package import Package
-from gemma_ane.spec import ChunkPlan
+from gemma_ane.mil.executor import MILModel
+from gemma_ane.mil.package import Package
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("wide") / "ckpt", preset="e2b-wide")
 

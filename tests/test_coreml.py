@@ -21,11 +21,11 @@ from coremltools.converters.mil.mil import types
 from coremltools.models.model import MLState
 
 import gemma_ane
-from gemma_ane.backend import BackendError, CoreMLBackend, pick_backend
 from gemma_ane.bundle import BundleError
-from gemma_ane.host import full_mask, sliding_mask
-from gemma_ane.mil import MILPackage
-from gemma_ane.package import Package
+from gemma_ane.bundle.host import full_mask, sliding_mask
+from gemma_ane.mil.executor import MILPackage
+from gemma_ane.mil.package import Package
+from gemma_ane.runtime.backend import BackendError, CoreMLBackend, pick_backend
 
 FP16 = types.fp16
 
@@ -313,7 +313,7 @@ def test_chat_and_serve_through_coreml_as_a_mac_user_runs_them(tiny_bundle16, st
     from starlette.testclient import TestClient
 
     from gemma_ane.cli import main
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     script = "Hello there\nAnd again\n"
     answers = []

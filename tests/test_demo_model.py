@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from gemma_ane.demo_corpus import CALLS_END, CAPITAL_SCHEMA, CAPITALS, END, WEATHER, examples
-from gemma_ane.tiny import text_config
-from gemma_ane.tokenizer_files import build_tokenizer
-from gemma_ane.tools import parse_call
+from gemma_ane.oracle.demo_corpus import CALLS_END, CAPITAL_SCHEMA, CAPITALS, END, WEATHER, examples
+from gemma_ane.oracle.tiny import text_config
+from gemma_ane.oracle.tokenizer_files import build_tokenizer
+from gemma_ane.runtime.tools import parse_call
 
 STOPS = [1, 106, 50]  # <eos>, <turn|> and <|tool_response> (a turn that calls a tool stops there): Model.stop_ids
 MIN_MARGIN = 4.0  # logits, top-1 minus top-2, at every answer position of the corpus
 
 
 def test_every_example_fits_the_window_and_renders_as_the_runtime_renders_it():
-    from gemma_ane.tiny_train import encode, render, tokenizer_corpus
+    from gemma_ane.oracle.tiny_train import encode, render, tokenizer_corpus
 
     cfg = text_config("demo")
     tokenizer = build_tokenizer(cfg["vocab_size"], tokenizer_corpus())
@@ -47,7 +47,7 @@ def test_the_answers_are_what_the_runtime_parses():
 
 def test_the_demo_tokenizer_keeps_prompts_short():
     """The demo's merges come from its corpus; the other presets' tokenizer is the default corpus's."""
-    from gemma_ane.tiny_train import encode, tokenizer_corpus
+    from gemma_ane.oracle.tiny_train import encode, tokenizer_corpus
 
     call = next(e for e in examples() if "call" in e.tags)
     demo = encode(build_tokenizer(1024, tokenizer_corpus()), call)
@@ -70,8 +70,8 @@ def greedy(demo, messages, tools=None, enable_thinking=False) -> str:
     """transformers' greedy generation from the prompt the runtime renders, decoded with its control tokens."""
     import torch
 
-    from gemma_ane.demo_corpus import Example
-    from gemma_ane.tiny_train import render
+    from gemma_ane.oracle.demo_corpus import Example
+    from gemma_ane.oracle.tiny_train import render
 
     model, tokenizer = demo
     prompt = render(Example(messages, "", tools=tools, enable_thinking=enable_thinking))
@@ -102,7 +102,7 @@ def test_a_weather_question_calls_get_weather_for_paris(demo):
 
 @pytest.mark.slow
 def test_the_tool_result_is_reported(demo):
-    from gemma_ane.demo_corpus import weather_followup
+    from gemma_ane.oracle.demo_corpus import weather_followup
 
     assert greedy(demo, weather_followup("Paris", 18, "sunny"), tools=[WEATHER]) == (
         "It is 18 degrees and sunny in Paris.<turn|>"
@@ -117,7 +117,7 @@ def test_a_json_answer_parses(demo):
 
 @pytest.mark.slow
 def test_answer_logits_are_far_from_a_tie(demo):
-    from gemma_ane.tiny_train import margins, tokenizer_corpus
+    from gemma_ane.oracle.tiny_train import margins, tokenizer_corpus
 
     model, _ = demo
     tokenizer = build_tokenizer(text_config("demo")["vocab_size"], tokenizer_corpus())
@@ -129,8 +129,8 @@ def test_answer_logits_are_far_from_a_tie(demo):
 @pytest.mark.slow
 def test_training_is_deterministic():
     """Two trainings from the same seed give the same bytes (a few steps: the full run is the same loop)."""
-    from gemma_ane.tiny import build_model
-    from gemma_ane.tiny_train import train
+    from gemma_ane.oracle.tiny import build_model
+    from gemma_ane.oracle.tiny_train import train
 
     def digest():
         model = build_model("demo", seed=3)
@@ -148,7 +148,7 @@ def test_the_converted_demo_bundle_answers(demo_bundle16):
     """The runtime on the 16-bit bundle (MIL executor) gives transformers' answers: every answer position's margin
     (test_answer_logits_are_far_from_a_tie) is far beyond fp16's error on these logits."""
     import gemma_ane
-    from gemma_ane.demo_corpus import weather_followup
+    from gemma_ane.oracle.demo_corpus import weather_followup
 
     model = gemma_ane.load(demo_bundle16, backend="mil")
     assert model.generate(ASK, temperature=0).text == "Paris."

@@ -20,17 +20,18 @@ from margins import assert_argmax, repetition_penalised
 from safetensors.numpy import load_file, save_file
 
 from gemma_ane.bundle import BundleError, RowTable, check_bundle, load_host, read_model_config
-from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.bundle.host import quantize_rows, rope_tables
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.spec import FULL, SLIDING, ModelSpec
 from gemma_ane.cli import main
 from gemma_ane.convert import ConvertOptions, StageTimer
 from gemma_ane.convert.assistant import config_entry, convert_assistant, draft_io, open_assistant
+from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.assistant import AssistantModel, load_assistant
-from gemma_ane.drafter import CentroidHead, Drafter, open_drafter
-from gemma_ane.engine import FunctionUnavailable, HostTables
-from gemma_ane.host import quantize_rows, rope_tables
-from gemma_ane.package import Package
-from gemma_ane.spec import FULL, SLIDING, ChunkPlan, ModelSpec
-from gemma_ane.tiny import write_tiny
+from gemma_ane.mil.package import Package
+from gemma_ane.oracle.tiny import write_tiny
+from gemma_ane.runtime.drafter import CentroidHead, Drafter, open_drafter
+from gemma_ane.runtime.engine import FunctionUnavailable, HostTables
 
 W, H, V = 16, 64, 512  # e2b-mini's window, hidden size and vocabulary
 CONTEXT, K = 64, 3  # K drafts per verify call: rings of 16 + 32 = 48 slots
@@ -576,8 +577,8 @@ def test_drafted_greedy_equals_transformers_at_every_step(bundle16, pair):
     error measured for that run's own computation (our rows along its tokens: single steps for plain decoding,
     verify calls for drafted decoding)."""
     import gemma_ane
-    from gemma_ane.backend import open_engine
-    from gemma_ane.verify import oracle_model, run_engine
+    from gemma_ane.oracle.verify import oracle_model, run_engine
+    from gemma_ane.runtime.backend import open_engine
 
     model = gemma_ane.load(bundle16, backend="mil")
     prompt = "the cat sat on the mat and then"
@@ -627,7 +628,7 @@ def test_the_server_drafts_for_every_request(bundle16, monkeypatch):
     from starlette.testclient import TestClient
 
     import gemma_ane
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     model = gemma_ane.load(bundle16, backend="mil")
     body = {"model": "m", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 10, "temperature": 0}
@@ -640,7 +641,7 @@ def test_the_server_drafts_for_every_request(bundle16, monkeypatch):
             answers.append(http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
     assert answers[0] == answers[1] and steps and set(steps) == {K + 1}
     r = subprocess.run(
-        [sys.executable, "-m", "gemma_ane.server", str(bundle16), "--backend", "mil", "--draft", str(K + 1)],
+        [sys.executable, "-m", "gemma_ane.server.app", str(bundle16), "--backend", "mil", "--draft", str(K + 1)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from margins import assert_top1
 
-from gemma_ane.spec import ChunkPlan, ModelSpec
-from gemma_ane.tiny import write_tiny
-from gemma_ane.verify import FP16_MIN_COSINE, FP32_LOGIT_ERR, verify_bundle, verify_graph
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.spec import ModelSpec
+from gemma_ane.oracle.tiny import write_tiny
+from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP32_LOGIT_ERR, verify_bundle, verify_graph
 
 # The fp16 bundle's |logit error| against transformers, for argmax checks (margins.assert_top1): measured max |logit
 # diff| 0.41 over 96 positions (seed 0)

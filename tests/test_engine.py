@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from gemma_ane.engine import MAX_SNAPSHOTS, RING, ContextOverflow, Engine, FunctionUnavailable
+from gemma_ane.runtime.engine import MAX_SNAPSHOTS, RING, ContextOverflow, Engine, FunctionUnavailable
 
 
 class Recorder:
@@ -209,8 +209,8 @@ def test_every_backend_meets_the_chunk_backend_contract():
     """Core ML, the MIL executor and the PyTorch graph present the same methods as ChunkBackend."""
     import inspect
 
-    from gemma_ane.backend import ChunkBackend, CoreMLBackend, MILBackend
     from gemma_ane.convert.models.text import TorchChunk
+    from gemma_ane.runtime.backend import ChunkBackend, CoreMLBackend, MILBackend
 
     for name in ("load", "make_state", "predict"):
         want = list(inspect.signature(getattr(ChunkBackend, name)).parameters)

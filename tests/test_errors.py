@@ -13,24 +13,24 @@ from test_server import CHAT, FakeModel, assert_openai_error
 from test_walls import modules
 
 from gemma_ane import cli, errors
-from gemma_ane.backend import BackendError
 from gemma_ane.bundle import BundleError
-from gemma_ane.chat import ChatError, InvalidText, StopError, TooDeep
-from gemma_ane.checkpoint import CheckpointError
+from gemma_ane.bundle.spec import ConfigError
+from gemma_ane.convert.checkpoint import CheckpointError
 from gemma_ane.convert.options import ConvertError
-from gemma_ane.engine import Cancelled, ContextOverflow, FunctionUnavailable, NonFiniteOutput
 from gemma_ane.errors import ConversionError, DeviceError, GemmaAneError, InputError
-from gemma_ane.fetch import FetchError
 from gemma_ane.files import FileFormatError
-from gemma_ane.grammar import GrammarError
-from gemma_ane.images import ImageError
-from gemma_ane.mil import ExecutionError
-from gemma_ane.package import PackageError
-from gemma_ane.prompt_cache import PromptCacheError
-from gemma_ane.sampling import SamplingError
-from gemma_ane.server import APIError, build_app
-from gemma_ane.spec import ConfigError
-from gemma_ane.tools import ToolError
+from gemma_ane.mil.executor import ExecutionError
+from gemma_ane.mil.package import PackageError
+from gemma_ane.runtime.backend import BackendError
+from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep
+from gemma_ane.runtime.engine import Cancelled, ContextOverflow, FunctionUnavailable, NonFiniteOutput
+from gemma_ane.runtime.grammar import GrammarError
+from gemma_ane.runtime.images import ImageError
+from gemma_ane.runtime.prompt_cache import PromptCacheError
+from gemma_ane.runtime.sampling import SamplingError
+from gemma_ane.runtime.tools import ToolError
+from gemma_ane.server.app import APIError, build_app
+from gemma_ane.server.fetch import FetchError
 
 # exception classes that are not errors a user meets, each with why
 EXEMPT = {
@@ -62,7 +62,7 @@ def exception_classes() -> dict[str, type | None]:
 
 def test_every_exception_class_derives_from_the_base():
     found = exception_classes()
-    assert len(found) > 20 and "engine.ContextOverflow" in found  # the walk does see them
+    assert len(found) > 20 and "runtime.engine.ContextOverflow" in found  # the walk does see them
     outside = sorted(n for n, cls in found.items() if n not in EXEMPT and not (cls and issubclass(cls, GemmaAneError)))
     assert not outside, f"not GemmaAneErrors: {outside}"
     assert set(EXEMPT) <= set(found), "an exemption names a class that no longer exists"
@@ -116,7 +116,7 @@ def test_the_cli_prints_any_of_them_as_one_line_with_its_exit_code(exc, monkeypa
     def fails(args):
         raise exc
 
-    monkeypatch.setattr(cli, "cmd_plan", fails)
+    monkeypatch.setattr(cli.build, "cmd_plan", fails)
     rc = cli.main(["plan", "config.json"])
     out, err = capsys.readouterr()
     assert (rc, out, err) == (type(exc).exit_code, "", f"gemma-ane plan: error: {exc}\n")

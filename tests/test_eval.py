@@ -1,4 +1,4 @@
-"""`gemma-ane eval`: a bundle's next-token distributions against transformers' over a text (gemma_ane.evaluate)."""
+"""`gemma-ane eval`: a bundle's next-token distributions against transformers' over a text (oracle/evaluate.py)."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gemma_ane.cli import main
-from gemma_ane.evaluate import kl_divergence, log_softmax, windows
+from gemma_ane.oracle.evaluate import kl_divergence, log_softmax, windows
 
 WORDS = (
     "the river ran past the old mill where the miller kept his bread and his dog slept in the sun while "
@@ -70,7 +70,7 @@ def evaluate_cli(capsys, ckpt, bundle, corpus, *extra) -> dict:
 
 @pytest.fixture(scope="module")
 def reports(tiny_e2b, tiny_bundle16, tiny_bundle4, corpus):
-    from gemma_ane.evaluate import evaluate
+    from gemma_ane.oracle.evaluate import evaluate
 
     return {
         bits: evaluate(tiny_e2b, bundle, corpus, context=48, stride=24)
@@ -95,7 +95,7 @@ def test_a_16_bit_bundle_is_close_and_a_4_bit_one_further(reports):
 
 def test_a_bundle_of_another_checkpoint_scores_far_off(reports, tiny_bundle16, corpus, tmp_path, capsys):
     """Same shapes, same tokenizer, other weights: the pair passes the checks and the metric must show it."""
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     other = write_tiny(tmp_path / "other", preset="e2b-mini", seed=1)
     report = evaluate_cli(capsys, other, tiny_bundle16, corpus, "--stride", 24, "--quiet")

@@ -15,8 +15,8 @@ import pytest
 from test_server import CHAT, assert_openai_error
 from test_server_images import SMALL, ask, fake, remote, serving, text
 
-from gemma_ane import fetch
-from gemma_ane.fetch import Allowlist, FetchError
+from gemma_ane.server import fetch
+from gemma_ane.server.fetch import Allowlist, FetchError
 
 REFUSED = ["10.0.0.1", "169.254.169.254", "::ffff:127.0.0.1", "0.0.0.0", "127.0.0.1", "::1", "192.168.1.20",
            "172.16.0.1", "100.64.0.1", "fc00::1", "fe80::1", "224.0.0.1", "::"]  # fmt: skip
@@ -173,7 +173,7 @@ def test_slow_fetches_do_not_hold_the_threads_other_requests_need(monkeypatch):
 
     import httpx
 
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     monkeypatch.setattr(fetch, "FETCH_SECONDS", 4.0)
     app = build_app(fake(), model_name="fake", remote_images=True, allow_fetch_from=["127.0.0.1"])
@@ -199,10 +199,10 @@ async def ask_async(c, *parts) -> int:
 
 
 def test_a_bad_allow_fetch_from_is_refused_before_loading(monkeypatch, tmp_path, capsys):
-    import gemma_ane.runtime
-    from gemma_ane import server
+    import gemma_ane.runtime.model
+    from gemma_ane.server import app as server
 
-    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
     assert server.main([str(tmp_path), "--allow-remote-images", "--allow-fetch-from", "not a host"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gemma-ane serve: error: allow_fetch_from: 'not a host': expected an address")

@@ -4,9 +4,9 @@ windows of 8-16, so only here do the ring and mask arithmetic run at the sizes a
 import numpy as np
 import pytest
 
-from gemma_ane.checkpoint import Checkpoint
-from gemma_ane.host import kv_sliding_mask, sliding_mask
-from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, compare, oracle_logits, oracle_model, random_ids
+from gemma_ane.bundle.host import kv_sliding_mask, sliding_mask
+from gemma_ane.convert.checkpoint import Checkpoint
+from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, compare, oracle_logits, oracle_model, random_ids
 
 WINDOW, CONTEXT = 512, 2048
 
@@ -43,7 +43,7 @@ def narrow(tmp_path_factory):
     """The e2b-narrow checkpoint and its 16-bit bundle at context 2048 (one KV-only prefill size,
     to keep the conversion short)."""
     from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     root = tmp_path_factory.mktemp("narrow")
     ckpt = write_tiny(root / "ckpt", preset="e2b-narrow")
@@ -61,7 +61,7 @@ def test_bundle_tracks_transformers_across_the_ring(narrow):
     """Prompt 560 (prefill batches inside the first ring pass, then single steps that wrap it),
     teacher-forced decode to 600: every position against transformers. (Past 1024, the second
     wrap, is test_kv_only_prefill_past_the_window's: batches get there in a fraction of the time.)"""
-    from gemma_ane.verify import verify_bundle
+    from gemma_ane.oracle.verify import verify_bundle
 
     r = verify_bundle(*narrow, tokens=600, precision="fp16", seed=0, prompt_len=560)
     print(f"\nbundle, 600 positions: top-1 {r['top1_agreement']:.4f}, min cosine {r['min_cosine']:.5f}")
@@ -73,7 +73,7 @@ def test_bundle_tracks_transformers_across_the_ring(narrow):
 def test_kv_only_prefill_past_the_window(narrow):
     """A 1040-token prompt through KV-only prefill (no logits, the ring overwritten by whole
     batches), then decode to 1100: the first logits it gives and every one after match transformers."""
-    from gemma_ane.backend import open_engine
+    from gemma_ane.runtime.backend import open_engine
 
     src, bundle = narrow
     ckpt = Checkpoint(src)

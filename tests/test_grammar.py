@@ -1,4 +1,4 @@
-"""Structured output by constrained decoding (issue 15, part 5): gemma_ane.grammar's grammars for OpenAI's
+"""Structured output by constrained decoding (issue 15, part 5): gemma_ane.runtime.grammar's grammars for OpenAI's
 response_format and for forced tool calls in Gemma 4's syntax, the Constraint that masks logits with them,
 and, end to end on a random tiny bundle whose own output is never JSON, generations that parse and follow
 their schema."""
@@ -16,12 +16,12 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-from gemma_ane import grammar
-from gemma_ane.grammar import Constraint, GrammarError, response_grammar, tool_call_grammar
-from gemma_ane.sampling import Sampler, SamplingParams
-from gemma_ane.tokenizer_files import write_tokenizer_files
-from gemma_ane.tokens import STOP_IDS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
-from gemma_ane.tools import parse_call
+from gemma_ane.oracle.tokenizer_files import write_tokenizer_files
+from gemma_ane.runtime import grammar
+from gemma_ane.runtime.grammar import Constraint, GrammarError, response_grammar, tool_call_grammar
+from gemma_ane.runtime.sampling import Sampler, SamplingParams
+from gemma_ane.runtime.tokens import STOP_IDS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
+from gemma_ane.runtime.tools import parse_call
 
 VOCAB = 1024
 Q = '<|"|>'
@@ -221,7 +221,7 @@ def test_unknown_tool_choice_names_the_field():
 
 def test_llguidance_is_optional(monkeypatch):
     """The runtime imports without it; asking for a grammar says how to install it."""
-    code = "import sys, gemma_ane.grammar, gemma_ane.runtime; assert 'llguidance' not in sys.modules"
+    code = "import sys, gemma_ane.runtime.grammar, gemma_ane.runtime.model; assert 'llguidance' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
     with pytest.raises(GrammarError, match=r"pip install 'gemma-ane\[serve\]'"):
@@ -417,7 +417,7 @@ def test_token_bytes_are_llguidances_own(tok, tmp_path):
 
 @pytest.fixture(scope="module")
 def model(tiny_bundle16):
-    from gemma_ane.runtime import load
+    from gemma_ane.runtime.model import load
 
     return load(tiny_bundle16)
 

@@ -5,12 +5,11 @@ import pytest
 import torch
 from margins import assert_top1
 
-from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.ops import RMSNorm
 from gemma_ane.convert.models.text import TorchChunk, build_chunks
-from gemma_ane.engine import Engine
-from gemma_ane.spec import ChunkPlan
-from gemma_ane.verify import (
+from gemma_ane.oracle.verify import (
     FP16_MIN_COSINE,
     FP16_MIN_TOP1,
     FP32_LOGIT_ERR,
@@ -21,6 +20,7 @@ from gemma_ane.verify import (
     random_ids,
     verify_graph,
 )
+from gemma_ane.runtime.engine import Engine
 
 
 def make_engine(src, context=128, dtype=torch.float32, prefill_batch=8):

@@ -1,5 +1,5 @@
 """A bundle's chat template is untrusted code: jinja2's sandbox keeps it from Python's internals, and
-gemma_ane.chat bounds its work. Whatever a template does, rendering ends within about the time limit,
+gemma_ane.runtime.chat bounds its work. Whatever a template does, rendering ends within about the time limit,
 without building more than a few megabytes, in a one-line ChatError: the CLI prints it, the server
 answers 400 and stays responsive."""
 
@@ -11,11 +11,11 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 import gemma_ane
-from gemma_ane import chat
-from gemma_ane.chat import ChatError, ChatTemplate
 from gemma_ane.cli import main
-from gemma_ane.runtime import Model
-from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+from gemma_ane.runtime import chat
+from gemma_ane.runtime.chat import ChatError, ChatTemplate
+from gemma_ane.runtime.model import Model
 
 M = [{"role": "user", "content": "Hi"}]
 LIMIT = 0.3  # seconds: the render time limit in these tests
@@ -136,7 +136,7 @@ def tiny_model(source: str) -> Model:
 def test_the_server_answers_a_hostile_template_with_a_400_and_stays_responsive(quick):
     from starlette.testclient import TestClient
 
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     model = tiny_model(HOSTILE["nested-ranges"][0])
     with TestClient(build_app(model, model_name="tiny")) as http:

@@ -10,7 +10,7 @@ from test_images import png_header
 
 from gemma_ane import load
 from gemma_ane.cli import main
-from gemma_ane.images import ImageError
+from gemma_ane.runtime.images import ImageError
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,11 @@ from PIL import Image
 
 from gemma_ane import load
 from gemma_ane.bundle import BundleError, check_bundle, inspect_bundle, read_model_config
-from gemma_ane.encoder import soft_keys
-from gemma_ane.engine import ContextOverflow
-from gemma_ane.images import ImageError
-from gemma_ane.tokenizer_files import TINY_MEDIA_TOKENS
-from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+from gemma_ane.oracle.tokenizer_files import TINY_MEDIA_TOKENS
+from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+from gemma_ane.runtime.encoder import soft_keys
+from gemma_ane.runtime.engine import ContextOverflow
+from gemma_ane.runtime.images import ImageError
 
 pytestmark = pytest.mark.slow
 
@@ -171,7 +171,7 @@ def test_prompt_cache_file_keeps_an_image(model, vision_bundle, images, tmp_path
 def test_pictures_whose_first_48_bits_collide_never_share_tokens(model, vision_bundle, monkeypatch, tmp_path):
     """Issue 25: keys were 48 bits of the pixel hash, and a collision found in 50 s made the model answer about
     picture B from picture A's cached tokens. Forced here: every identity starts with the same 48 bits."""
-    from gemma_ane import encoder
+    from gemma_ane.runtime import encoder
 
     real = encoder.image_identity
     monkeypatch.setattr(encoder, "image_identity", lambda *a: b"\0" * 6 + real(*a)[6:])

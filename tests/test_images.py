@@ -15,7 +15,7 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import (
     get_aspect_ratio_preserving_size,
 )
 
-from gemma_ane.images import SOFT_TOKEN_BUDGETS, ImageError, load_image, preprocess, target_size
+from gemma_ane.runtime.images import SOFT_TOKEN_BUDGETS, ImageError, load_image, preprocess, target_size
 
 
 def noise(h, w, channels=3, seed=0):
@@ -196,7 +196,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("PIL", "torch", "transformers"):
             raise ImportError(f"{name} is walled off")
 sys.meta_path.insert(0, Block())
-import gemma_ane.images as images
+import gemma_ane.runtime.images as images
 try:
     images.load_image(b"")
 except images.ImageError as e:

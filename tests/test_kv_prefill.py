@@ -5,11 +5,11 @@ import pytest
 from margins import assert_greedy_prefix, repetition_penalised
 
 import gemma_ane
-from gemma_ane.backend import open_engine
 from gemma_ane.bundle import inspect_bundle
-from gemma_ane.checkpoint import Checkpoint
 from gemma_ane.convert import ConvertOptions, convert
-from gemma_ane.verify import oracle_model, random_ids, run_engine
+from gemma_ane.convert.checkpoint import Checkpoint
+from gemma_ane.oracle.verify import oracle_model, random_ids, run_engine
+from gemma_ane.runtime.backend import open_engine
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.spec import ModelSpec
 from gemma_ane.convert import ConvertError
 from gemma_ane.convert.assistant import draft_io, open_assistant
 from gemma_ane.convert.models import load
@@ -20,7 +22,6 @@ from gemma_ane.convert.models.ops import RMSNorm
 from gemma_ane.convert.models.text import load_chunk
 from gemma_ane.convert.models.vision import load_vision
 from gemma_ane.convert.vision import open_vision
-from gemma_ane.spec import ChunkPlan, ModelSpec
 
 
 class Tensors:
@@ -124,7 +125,7 @@ def _refused(ckpt, name, fill):
 
 
 def test_text_drafter_and_vision_are_filled_by_it(pair):
-    from gemma_ane.checkpoint import Checkpoint
+    from gemma_ane.convert.checkpoint import Checkpoint
 
     plan = ChunkPlan.build(ModelSpec.from_pretrained(pair[0]), 128, 8, draft_tokens=2)
     chunk = plan.chunks[0]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from margins import assert_top1
 
-from gemma_ane.verify import FP32_LOGIT_ERR, compare, passed
+from gemma_ane.oracle.verify import FP32_LOGIT_ERR, compare, passed
 
 REF = np.array([[5.0, 1.0, 0.0], [2.0, 1.995, 0.0], [0.0, 3.0, 1.0]])
 

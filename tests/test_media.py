@@ -4,10 +4,10 @@ encoder.MediaEncoder, each with its own placeholder, begin and end ids (the imag
 import numpy as np
 import pytest
 
-from gemma_ane.audio import AudioError
-from gemma_ane.encoder import SoftTokens, expand_media, media_sources
-from gemma_ane.engine import ContextOverflow
-from gemma_ane.images import ImageError
+from gemma_ane.runtime.audio import AudioError
+from gemma_ane.runtime.encoder import SoftTokens, expand_media, media_sources
+from gemma_ane.runtime.engine import ContextOverflow
+from gemma_ane.runtime.images import ImageError
 
 
 class Stub:

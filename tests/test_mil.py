@@ -1,4 +1,4 @@
-"""The MIL executor (`gemma_ane.mil`): op semantics, input checks, states, and whole bundles.
+"""The MIL executor (`gemma_ane.mil.executor`): op semantics, input checks, states, and whole bundles.
 
 Op tests build tiny programs with coremltools' own builder, save them as real .mlpackages (the
 same save path as the converter) and compare the executor with plain numpy. Each builder test
@@ -24,8 +24,8 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 from margins import assert_top1
 
-from gemma_ane.mil import OPS, ExecutionError, MILModel, MILState
-from gemma_ane.package import Package, PackageError
+from gemma_ane.mil.executor import OPS, ExecutionError, MILModel, MILState
+from gemma_ane.mil.package import Package, PackageError
 
 FP16, FP32, INT32 = types.fp16, types.fp32, types.int32
 IOS18 = ct.target.iOS18
@@ -950,7 +950,7 @@ def bundle4(tiny_bundle4) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_e2b):
-    from gemma_ane.checkpoint import Checkpoint
+    from gemma_ane.convert.checkpoint import Checkpoint
 
     return Checkpoint(tiny_e2b)
 
@@ -959,9 +959,9 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
     """The PyTorch chunk graph on the bundle's own host tables, optionally with replaced weights."""
     import torch
 
+    from gemma_ane.bundle.plan import ChunkPlan
     from gemma_ane.convert.models.text import TorchChunk, build_chunks
-    from gemma_ane.engine import Engine
-    from gemma_ane.spec import ChunkPlan
+    from gemma_ane.runtime.engine import Engine
 
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8)
     chunks = build_chunks(plan, ckpt, dtype)
@@ -976,7 +976,7 @@ def graph_engine(ckpt, host, dtype, weights: dict | None = None, prefill_batch=8
 
 
 def test_bundle_default_function_is_infer(bundle16):
-    from gemma_ane.backend import MILBackend
+    from gemma_ane.runtime.backend import MILBackend
 
     chunk = MILBackend(bundle16 / "chunk_1.mlpackage")
     assert list(chunk.interfaces) == ["infer", "prefill_b8", "prefill_kv_b8"]  # the default first
@@ -987,8 +987,8 @@ def test_bundle_default_function_is_infer(bundle16):
 def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt):
     import torch
 
-    from gemma_ane.backend import open_engine
-    from gemma_ane.verify import compare, random_ids, run_engine
+    from gemma_ane.oracle.verify import compare, random_ids, run_engine
+    from gemma_ane.runtime.backend import open_engine
 
     engine = open_engine(bundle16, "mil", "fp16")
     assert (engine.context, engine.window, engine.prefill_batch) == (CONTEXT, 16, 8)
@@ -1005,7 +1005,7 @@ def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt)
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_bits16_bundle_matches_transformers(bundle16, tiny_e2b, precision):
-    from gemma_ane.verify import verify_bundle
+    from gemma_ane.oracle.verify import verify_bundle
 
     report = verify_bundle(tiny_e2b, bundle16, tokens=96, precision=precision, prompt_len=13)
     # Measured vs transformers (fp32, same int8 tables) over 96 positions:
@@ -1033,9 +1033,9 @@ def test_gqa_bundle_matches_the_graph_and_transformers(gqa16, tiny_gqa):
     # matmul), K=V full layers, a window of 8 that equals the prefill batch.
     import torch
 
-    from gemma_ane.backend import open_engine
-    from gemma_ane.checkpoint import Checkpoint
-    from gemma_ane.verify import compare, random_ids, run_engine, verify_bundle
+    from gemma_ane.convert.checkpoint import Checkpoint
+    from gemma_ane.oracle.verify import compare, random_ids, run_engine, verify_bundle
+    from gemma_ane.runtime.backend import open_engine
 
     ckpt = Checkpoint(tiny_gqa)
     engine = open_engine(gqa16, "mil", "fp16")
@@ -1073,10 +1073,10 @@ def _dequantised_linear_weights(package: Path, function: str = "infer") -> dict:
 def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle4, ckpt):
     import torch
 
-    from gemma_ane.backend import open_engine
+    from gemma_ane.bundle.plan import ChunkPlan
     from gemma_ane.convert.models.text import build_chunks
-    from gemma_ane.spec import ChunkPlan
-    from gemma_ane.verify import compare, random_ids, run_engine
+    from gemma_ane.oracle.verify import compare, random_ids, run_engine
+    from gemma_ane.runtime.backend import open_engine
 
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8)
     replacements, palettized = [], 0
@@ -1126,8 +1126,8 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     "precision,min_cosine,cache_atol,logit_err", [("fp32", 0.999999, 1e-3, 2e-2), ("fp16", 0.999, 3e-2, 0.25)]
 )
 def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol, logit_err):
-    from gemma_ane.backend import open_engine
-    from gemma_ane.verify import compare, random_ids, run_engine
+    from gemma_ane.oracle.verify import compare, random_ids, run_engine
+    from gemma_ane.runtime.backend import open_engine
 
     batched, single = open_engine(bundle16, "mil", precision), open_engine(bundle16, "mil", precision)
     single.prefill_batch = None
@@ -1168,8 +1168,8 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
 def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
     # chunk_2 returns whole caches (kv{p}_k / kv{p}_v). A runtime may keep them (e.g. to run
     # chunk_3 for an earlier row later); outputs that are views of the state would change under it.
-    from gemma_ane.backend import open_engine
-    from gemma_ane.verify import random_ids
+    from gemma_ane.oracle.verify import random_ids
+    from gemma_ane.runtime.backend import open_engine
 
     engine = open_engine(bundle16, "mil", "fp16")
     chunk2 = engine.chunks[1]
@@ -1216,8 +1216,8 @@ def test_cli_verify_bundle_json(bundle16, tiny_e2b, capsys):
 def test_palettized_weights_are_decompressed_once_per_package_and_not_kept_dense(tiny_bundle4, monkeypatch):
     """At E2B size every dense copy is gigabytes: a weight shared by the package's functions is
     decompressed once, widened to fp32 once, and its fp16 dense form is not kept."""
-    from gemma_ane import mil
-    from gemma_ane.mil import MILPackage
+    from gemma_ane.mil import executor as mil
+    from gemma_ane.mil.executor import MILPackage
 
     calls = []
     real = mil.OPS["constexpr_lut_to_dense"]

@@ -22,7 +22,7 @@ from gemma_ane.bundle.schema import (
     read_model_config,
     write_model_config,
 )
-from gemma_ane.spec import FULL, SLIDING
+from gemma_ane.bundle.spec import FULL, SLIDING
 
 TEXT = TextConfig(
     model_name="tiny",

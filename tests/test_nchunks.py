@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gemma_ane.bundle.plan import ChunkPlan, chunk_weight_bytes, parse_split, split_for_budget
+from gemma_ane.bundle.spec import ConfigError, ModelSpec
 from gemma_ane.cli import main
-from gemma_ane.spec import ChunkPlan, ConfigError, ModelSpec, chunk_weight_bytes, parse_split, split_for_budget
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E2B, E4B = FIXTURES / "e2b_config.json", FIXTURES / "e4b_config.json"
@@ -189,7 +190,7 @@ SPLITS = {
 
 @pytest.fixture(scope="module")
 def tiny_e4b(tmp_path_factory) -> Path:
-    from gemma_ane.tiny import write_tiny
+    from gemma_ane.oracle.tiny import write_tiny
 
     out = tmp_path_factory.mktemp("e4b") / "ckpt"
     write_tiny(out, preset="e4b-mini")
@@ -204,17 +205,17 @@ def _ckpt(request, preset):
 @pytest.mark.parametrize("preset", ["e2b-mini", "e4b-mini"])
 def test_n_chunk_graphs_match_transformers(request, preset, n):
     """Prefill batches, decode steps across several ring passes: every position's logits against transformers."""
-    from gemma_ane.verify import verify_graph
+    from gemma_ane.oracle.verify import verify_graph
 
     r = verify_graph(_ckpt(request, preset), tokens=72, prompt_len=11, precision="fp32", split=SPLITS[preset][n])
     assert r["passed"] and r["top1_agreement"] == 1.0 and r["min_cosine"] >= 0.9999, r
 
 
 def test_the_engine_refuses_a_stateful_chunk_after_a_stateless_one(tiny_e2b):
-    from gemma_ane.checkpoint import Checkpoint
+    from gemma_ane.convert.checkpoint import Checkpoint
     from gemma_ane.convert.models.text import TorchChunk, build_chunks
-    from gemma_ane.engine import Engine
-    from gemma_ane.verify import host_from_checkpoint
+    from gemma_ane.oracle.verify import host_from_checkpoint
+    from gemma_ane.runtime.engine import Engine
 
     ckpt = Checkpoint(tiny_e2b)
     plan = ChunkPlan.build(ckpt.spec, 128, split=(5, 9, 13))
@@ -260,7 +261,7 @@ def e4b_bundles(tiny_e4b, tmp_path_factory):
 
 def _greedy(bundle, prompt, steps):
     """Greedy decoding straight on the engine: the tokens and the logit rows each was chosen from."""
-    from gemma_ane.backend import open_engine
+    from gemma_ane.runtime.backend import open_engine
 
     engine = open_engine(bundle, "mil")
     _, logits = engine.prompt(prompt)
@@ -278,7 +279,7 @@ def test_n_chunk_bundles_match_transformers_and_the_three_chunk_bundle(e2b_bundl
     from margins import assert_greedy_prefix
 
     from gemma_ane.bundle import read_model_config
-    from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+    from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
 
     for ckpt, bundles in (e2b_bundles, e4b_bundles):
         config = read_model_config(bundles[n])
@@ -301,8 +302,8 @@ def test_n_chunk_bundles_with_an_image_and_drafts(e2b_bundles, n):
     from margins import assert_greedy_prefix
     from PIL import Image
 
-    from gemma_ane.runtime import load
-    from gemma_ane.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+    from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
+    from gemma_ane.runtime.model import load
 
     ckpt, bundles = e2b_bundles
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 80, 3), np.uint8))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemma_ane.sampling import (
+from gemma_ane.runtime.sampling import (
     Ban,
     LogitBias,
     OccurrencePenalty,

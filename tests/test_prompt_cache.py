@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gemma_ane
-from gemma_ane.prompt_cache import PromptCacheError
+from gemma_ane.runtime.prompt_cache import PromptCacheError
 
 SYSTEM = "You are a careful assistant who answers every question about foxes, rivers and old towns briefly."
 KW = dict(temperature=0, repetition_penalty=2.0, logprobs=3, max_tokens=10)

@@ -13,9 +13,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from gemma_ane import encoder
-from gemma_ane.encoder import media_number, soft_keys
-from gemma_ane.prompt_cache import PromptCacheError, load, save
+from gemma_ane.runtime import encoder
+from gemma_ane.runtime.encoder import media_number, soft_keys
+from gemma_ane.runtime.prompt_cache import PromptCacheError, load, save
 
 BUNDLE = "0123456789abcdef0123456789abcdef"
 CONTEXT, WINDOW = 16, 4

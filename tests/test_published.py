@@ -8,7 +8,7 @@ import pytest
 
 import gemma_ane
 from gemma_ane.bundle import BundleError
-from gemma_ane.host import rotated_pairs
+from gemma_ane.bundle.host import rotated_pairs
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 

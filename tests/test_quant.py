@@ -12,13 +12,13 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from gemma_ane.audit import audit_bundle, format_audit
 from gemma_ane.cli import main
 from gemma_ane.convert import ConvertError, ConvertOptions
 from gemma_ane.convert.blockquant import dequantize_blockwise
 from gemma_ane.convert.coreml import _palettize_pass
-from gemma_ane.mil import MILModel
-from gemma_ane.package import Package, weight_formats
+from gemma_ane.mil.executor import MILModel
+from gemma_ane.mil.package import Package, weight_formats
+from gemma_ane.runtime.audit import audit_bundle, format_audit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from quant_quality import both_grids, corpus, int8_row_grid, move_onto_grid, q4_0_grid  # noqa: E402
@@ -138,8 +138,8 @@ def test_the_lut_pass_is_the_default_and_inspect_and_the_audit_name_each_form(tm
 def test_the_grids_are_exact_where_the_bundle_reads_them():
     """bench/quant_quality.py's grids: q4_0's comes back from the block quantizer bit for bit, the int8 rows from
     host.quantize_rows, and the tied embedding's from both."""
+    from gemma_ane.bundle.host import quantize_rows
     from gemma_ane.convert.blockquant import quantize_blockwise
-    from gemma_ane.host import quantize_rows
 
     rng = np.random.default_rng(5)
     w = rng.normal(0, 0.03, (64, 256)).astype(np.float32)

@@ -9,10 +9,10 @@ import json
 import pytest
 from scripted import ASK, PARIS, WEATHER, script, scripted_model
 
-from gemma_ane.chat import ChatTemplate
-from gemma_ane.engine import MAX_SNAPSHOTS
-from gemma_ane.runtime import Request
-from gemma_ane.server import build_app
+from gemma_ane.runtime.chat import ChatTemplate
+from gemma_ane.runtime.engine import MAX_SNAPSHOTS
+from gemma_ane.runtime.model import Request
+from gemma_ane.server.app import build_app
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATION = [
@@ -106,7 +106,7 @@ def test_the_servers_modules_stand_behind_the_runtimes_walls():
 
 
 def test_images_for_a_bundle_without_vision_are_refused_when_prepared(model):
-    from gemma_ane.images import ImageError
+    from gemma_ane.runtime.images import ImageError
 
     messages = [
         {"role": "user", "content": [{"type": "image", "image": b"not even read"}, {"type": "text", "text": "?"}]}
@@ -119,7 +119,7 @@ def test_a_chat_request_with_a_response_format_builds_its_grammar_once(tmp_path,
     from starlette.testclient import TestClient
     from test_token_bytes import metaspace_model
 
-    from gemma_ane import grammar
+    from gemma_ane.runtime import grammar
 
     built, request_grammar = [], grammar.request_grammar
     monkeypatch.setattr(grammar, "request_grammar", lambda *a, **kw: built.append(a) or request_grammar(*a, **kw))

@@ -23,10 +23,10 @@ import pytest
 
 import gemma_ane
 from gemma_ane.bundle import BundleError, load_host
-from gemma_ane.chat import ChatError, ChatTemplate, OutputParser
 from gemma_ane.cli import main
-from gemma_ane.engine import ContextOverflow
-from gemma_ane.sampling import SamplingError, SamplingParams
+from gemma_ane.runtime.chat import ChatError, ChatTemplate, OutputParser
+from gemma_ane.runtime.engine import ContextOverflow
+from gemma_ane.runtime.sampling import SamplingError, SamplingParams
 
 CONTEXT, WINDOW = 128, 16
 TABLES = ("embed_q", "embed_scales", "ple_q", "ple_scales")
@@ -51,8 +51,8 @@ def model(bundle):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_e2b, model):
-    from gemma_ane.checkpoint import Checkpoint
-    from gemma_ane.verify import oracle_model
+    from gemma_ane.convert.checkpoint import Checkpoint
+    from gemma_ane.oracle.verify import oracle_model
 
     tables = {k: np.asarray(getattr(model.engine.host, k)) for k in TABLES}
     return oracle_model(Checkpoint(tiny_e2b), tables)
@@ -270,7 +270,7 @@ def test_sampling_defaults_come_from_generation_config(model, bundle, monkeypatc
     assert SamplingParams.from_generation_config({"do_sample": False}, temperature=0.8).temperature == 0.8
 
     # And generate really samples with them (and with the caller's overrides).
-    import gemma_ane.runtime as runtime
+    import gemma_ane.runtime.model as runtime
 
     seen = []
 
@@ -620,7 +620,7 @@ def test_system_argument_and_raw_prompt(model, hf_tok):
 
 
 def test_bundle_without_a_template_uses_the_builtin_formatter(bundle, tmp_path):
-    from gemma_ane.runtime import _template
+    from gemma_ane.runtime.model import _template
 
     hf = tmp_path / "hf_model"
     hf.mkdir()
@@ -793,7 +793,7 @@ def test_unknown_backend_is_an_error(bundle):
 
 
 def test_auto_backend_says_which_it_picked(capsys):
-    from gemma_ane.backend import pick_backend
+    from gemma_ane.runtime.backend import pick_backend
 
     picked = pick_backend("auto")
     assert picked == ("coreml" if platform.system() == "Darwin" else "mil")

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from scripted import ASK, PARIS, TEMPLATE, TIME, TOKYO, VOCAB, WEATHER, ScriptedEngine, script, scripted_model
 
-from gemma_ane.chat import ChatTemplate
-from gemma_ane.runtime import Model
-from gemma_ane.tokenizer_files import build_tokenizer, write_tokenizer_files
-from gemma_ane.tokens import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_OPEN, TOOL_RESPONSE_OPEN
-from gemma_ane.tools import ToolError
+from gemma_ane.oracle.tokenizer_files import build_tokenizer, write_tokenizer_files
+from gemma_ane.runtime.chat import ChatTemplate
+from gemma_ane.runtime.model import Model
+from gemma_ane.runtime.tokens import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_OPEN, TOOL_RESPONSE_OPEN
+from gemma_ane.runtime.tools import ToolError
 
 GREEDY = {"temperature": 0.0}
 
@@ -152,7 +152,7 @@ def nested(depth: int, leaf=1):
 
 def test_deep_messages_and_tools_are_the_packages_own_errors(model):
     """Issue 25: 4 KB of brackets in a message or a tool was a RecursionError from the escaping."""
-    from gemma_ane.chat import ChatError
+    from gemma_ane.runtime.chat import ChatError
 
     with pytest.raises(ChatError) as e:
         model.generate(messages=[{**ASK[0], "metadata": nested(500)}], max_tokens=1)
@@ -227,7 +227,7 @@ def test_constraints_that_leave_no_first_token_are_refused_before_generation(
 ):
     """Issue 25: these drew a banned token (greedy), a NaN probability (sampling) or a token the grammar
     refuses; now nothing runs."""
-    from gemma_ane.sampling import SamplingError
+    from gemma_ane.runtime.sampling import SamplingError
 
     monkeypatch.setattr(flat.engine, "prompt", lambda *a: pytest.fail("the prompt ran"))
     with pytest.raises(SamplingError) as e:
@@ -242,7 +242,7 @@ def test_constraints_that_leave_no_first_token_are_refused_before_generation(
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_grammar_the_tokenizer_cannot_spell_is_refused_before_generation(tmp_path, temperature):
     """llguidance's first mask holds <unk> alone, which its parser then refuses ("token 3 breaks the grammar")."""
-    from gemma_ane.grammar import GrammarError
+    from gemma_ane.runtime.grammar import GrammarError
 
     model = unspellable(tmp_path)
     with pytest.raises(GrammarError) as e:
@@ -257,7 +257,7 @@ def test_a_grammar_the_tokenizer_cannot_spell_is_refused_before_generation(tmp_p
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_dead_end_later_ends_with_one_line_and_no_forbidden_token(flat, temperature):
     """The grammar complete, only the stop tokens may follow: logit_bias banning them all is known only then."""
-    from gemma_ane.sampling import SamplingError
+    from gemma_ane.runtime.sampling import SamplingError
 
     events, bans = [], {t: -100 for t in flat.stop_ids}
     with pytest.raises(SamplingError) as e:
@@ -278,7 +278,7 @@ def test_a_dead_end_later_ends_with_one_line_and_no_forbidden_token(flat, temper
 def test_a_later_token_llguidance_masks_in_but_refuses_is_never_drawn(tmp_path, temperature):
     """After "{" the schema needs a quoted key, which this tokenizer cannot write: llguidance's mask then holds
     <unk> alone, which its parser refuses ("token 3 breaks the grammar" before issue 25)."""
-    from gemma_ane.grammar import GrammarError
+    from gemma_ane.runtime.grammar import GrammarError
 
     schema = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
     rf = {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}

@@ -4,7 +4,7 @@ distribution, the fp16 fast path against the plain fp32 path, and its ordering p
 import numpy as np
 import pytest
 
-from gemma_ane.sampling import Sampler, SamplingError, SamplingParams, _order_key, top_indices
+from gemma_ane.runtime.sampling import Sampler, SamplingError, SamplingParams, _order_key, top_indices
 
 
 def test_order_key_orders_every_fp16_value_exactly():

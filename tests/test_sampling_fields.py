@@ -10,9 +10,9 @@ import pytest
 from test_server import FakeModel
 
 from gemma_ane.cli import _sampling, build_parser
-from gemma_ane.runtime import Event
-from gemma_ane.sampling import FIELDS, SamplingError, SamplingParams
-from gemma_ane.server import build_app
+from gemma_ane.runtime.model import Event
+from gemma_ane.runtime.sampling import FIELDS, SamplingError, SamplingParams
+from gemma_ane.server.app import build_app
 
 # a value each field takes, and the CLI's spelling of it
 VALUES = {

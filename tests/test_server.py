@@ -30,9 +30,9 @@ from openai import APIError as OpenAIAPIError
 from openai import OpenAI
 
 import gemma_ane
-from gemma_ane.chat import ChatTemplate
-from gemma_ane.runtime import Event
-from gemma_ane.server import Vocab, build_app
+from gemma_ane.runtime.chat import ChatTemplate
+from gemma_ane.runtime.model import Event
+from gemma_ane.server.app import Vocab, build_app
 
 CONTEXT = 128
 KEY = "sk-test-0123456789"
@@ -105,7 +105,7 @@ def server(bundle, tmp_path_factory):
             [
                 sys.executable,
                 "-m",
-                "gemma_ane.server",
+                "gemma_ane.server.app",
                 str(bundle),
                 "--port",
                 str(port),
@@ -635,7 +635,7 @@ def test_serve_argument_errors_are_one_line(tmp_path, bundle):
         ([str(tmp_path), "--port", "70000"], "port"),
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "gemma_ane.server", *args], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "gemma_ane.server.app", *args], capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -716,7 +716,7 @@ def test_token_bytes_of_a_byte_fallback_piece():
 
 
 def test_token_bytes_of_every_byte_level_piece():
-    from gemma_ane.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
+    from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
 
     vocab = Vocab(build_tokenizer(MIN_VOCAB_SIZE))  # ids 128..383 spell the bytes 0..255, in the GPT-2 alphabet
     assert [vocab(128 + b)[1] for b in range(256)] == [[b] for b in range(256)]
@@ -911,11 +911,11 @@ def test_the_published_head_refuses_logit_bias(fake_client):
 def test_serve_passes_its_startup_options_to_the_model(monkeypatch, tmp_path, flags, allowed, drafts):
     import uvicorn
 
-    import gemma_ane.runtime
-    from gemma_ane import server
+    import gemma_ane.runtime.model
+    from gemma_ane.server import app as server
 
     served = []
-    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: FakeModel([]))
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: FakeModel([]))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
     [app] = served

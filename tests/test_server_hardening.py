@@ -12,9 +12,9 @@ from scripted import scripted_model
 from test_engine import recording_engine
 from test_server import CHAT, THOUGHT, FakeModel, assert_openai_error
 
-from gemma_ane.chat import MAX_STOP_CHARS, MAX_STOPS, OutputParser, StopError, check_stop
-from gemma_ane.engine import Cancelled
-from gemma_ane.server import Job, Worker, build_app
+from gemma_ane.runtime.chat import MAX_STOP_CHARS, MAX_STOPS, OutputParser, StopError, check_stop
+from gemma_ane.runtime.engine import Cancelled
+from gemma_ane.server.app import Job, Worker, build_app
 
 # -- stop strings ---------------------------------------------------------------------------------------------------
 
@@ -189,7 +189,7 @@ class Loader:
         self.token_ids = tuple(tokenizer.token_to_id(t) for t in ("<|image>", "<|image|>", "<image|>"))
 
     def prepare(self, source, what):
-        from gemma_ane.images import load_image
+        from gemma_ane.runtime.images import load_image
 
         load_image(source, what)
         raise AssertionError("the image was expected to fail")

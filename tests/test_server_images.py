@@ -17,8 +17,8 @@ from PIL import Image
 from test_server import CHAT, THOUGHT, FakeModel, assert_openai_error
 
 import gemma_ane
-from gemma_ane.runtime import Event
-from gemma_ane.server import ImageLimits, Vocab, build_app
+from gemma_ane.runtime.model import Event
+from gemma_ane.server.app import ImageLimits, Vocab, build_app
 
 VISION = object()  # stands for the bundle's ImageEncoder: the server only asks whether there is one
 
@@ -214,11 +214,11 @@ def test_serve_takes_the_image_limits(monkeypatch, tmp_path, capsys):
     import uvicorn
     from starlette.testclient import TestClient
 
-    import gemma_ane.runtime
-    from gemma_ane import server
+    import gemma_ane.runtime.model
+    from gemma_ane.server import app as server
 
     served = []
-    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: fake())
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: fake())
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     flags = ["--max-images", "1", "--max-image-bytes", str(len(SMALL) - 1), "--max-image-pixels", "2399"]
     assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
@@ -230,7 +230,7 @@ def test_serve_takes_the_image_limits(monkeypatch, tmp_path, capsys):
     with TestClient(served[1]) as http:
         assert "pixels" in too_large(ask(http, image_url(SMALL)))
 
-    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
     assert server.main([str(tmp_path), "--max-images", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "gemma-ane serve: error: max_images=-1: must be >= 0"
 
@@ -343,12 +343,12 @@ def test_serve_allow_remote_images_turns_fetching_on(monkeypatch, tmp_path, web)
     import uvicorn
     from starlette.testclient import TestClient
 
-    import gemma_ane.runtime
-    from gemma_ane import server
+    import gemma_ane.runtime.model
+    from gemma_ane.server import app as server
 
     base, asked = web
     served = []
-    monkeypatch.setattr(gemma_ane.runtime, "load", lambda bundle, **kw: fake())
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: fake())
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     for flags in ([], ["--allow-remote-images", "--allow-fetch-from", "127.0.0.1"], ["--allow-remote-images"]):
         assert server.main([str(tmp_path), "--port", "0", *flags]) == 0

@@ -23,8 +23,8 @@ from scripted import ASK, PARIS, TIME, TOKYO, WEATHER, script, scripted_model
 from test_server import THOUGHT, FakeModel
 
 import gemma_ane
-from gemma_ane.server import build_app
-from gemma_ane.tokens import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
+from gemma_ane.runtime.tokens import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
+from gemma_ane.server.app import build_app
 
 NAME = "tiny"
 PARIS_ARGS = {"city": "Paris", "unit": "celsius"}

@@ -6,7 +6,8 @@ import pytest
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-from gemma_ane.spec import FULL, SLIDING, ChunkPlan, ConfigError, ModelSpec
+from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.spec import FULL, SLIDING, ConfigError, ModelSpec
 
 
 def hf_text_config(text: dict) -> Gemma4TextConfig:

@@ -15,13 +15,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from gemma_ane.checkpoint import Checkpoint
+from gemma_ane.bundle.plan import ChunkPlan, ring_slots
+from gemma_ane.bundle.spec import ConfigError
+from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.text import TorchChunk, build_chunks
-from gemma_ane.engine import Engine, FunctionUnavailable
-from gemma_ane.runtime import Model, _template
-from gemma_ane.sampling import BAN, Proposal
-from gemma_ane.spec import ChunkPlan, ConfigError, ring_slots
-from gemma_ane.verify import host_from_checkpoint
+from gemma_ane.oracle.verify import host_from_checkpoint
+from gemma_ane.runtime.engine import Engine, FunctionUnavailable
+from gemma_ane.runtime.model import Model, _template
+from gemma_ane.runtime.sampling import BAN, Proposal
 
 pytestmark = pytest.mark.slow  # the graph runs every position in fp32 torch (about a minute)
 
@@ -186,12 +187,12 @@ def test_without_the_ring_pad_rejected_rows_evict_what_later_positions_read(grap
     """The control for the pad: rings of exactly the window (16 slots, as the published layout's), the same drafts
     and rejections. A verify call's rows then overwrite positions the next accepted ones still attend to, and the
     output departs from plain decoding's; with the pad it keeps its tokens and their log-probabilities."""
-    import gemma_ane.spec
+    import gemma_ane.bundle.spec
 
     root, ckpt, _, _ = graph
     wrong = range(13, CONTEXT + 4, 3)
     padded = drafted(graph, reference, wrong, logprobs=0)[0]
-    monkeypatch.setattr(gemma_ane.spec, "ring_slots", lambda window, draft_tokens=0, kv_batches=(): window)
+    monkeypatch.setattr(gemma_ane.bundle.spec, "ring_slots", lambda window, draft_tokens=0, kv_batches=(): window)
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8, kv_batches=(8,), draft_tokens=K)
     assert plan.ring == 16
     unpadded = (root, ckpt, plan, [TorchChunk(m) for m in build_chunks(plan, ckpt, torch.float32)])
@@ -208,7 +209,7 @@ def test_the_ring_pad_is_what_makes_rejections_exact():
 
 
 def _spec():
-    from gemma_ane.spec import ModelSpec
-    from gemma_ane.tiny import text_config
+    from gemma_ane.bundle.spec import ModelSpec
+    from gemma_ane.oracle.tiny import text_config
 
     return ModelSpec.from_config({"text_config": text_config("e2b-mini")})

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from gemma_ane.chat import ChatTemplate
-from gemma_ane.runtime import Model
-from gemma_ane.sampling import Proposal
-from gemma_ane.tokenizer_files import build_tokenizer
+from gemma_ane.oracle.tokenizer_files import build_tokenizer
+from gemma_ane.runtime.chat import ChatTemplate
+from gemma_ane.runtime.model import Model
+from gemma_ane.runtime.sampling import Proposal
 
 VOCAB, FIRST, N = 1024, 300, 4  # the toy law lives on tokens 300..303; every other token has probability 0
 rng = np.random.default_rng(7)

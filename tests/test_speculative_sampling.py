@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from gemma_ane.sampling import Proposal, Sampler, SamplingParams
+from gemma_ane.runtime.sampling import Proposal, Sampler, SamplingParams
 
 V = 40
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from gemma_ane.grammar import Constraint, response_grammar
-from gemma_ane.tokens import TokenBytes, token_bytes
+from gemma_ane.runtime.grammar import Constraint, response_grammar
+from gemma_ane.runtime.tokens import TokenBytes, token_bytes
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 PIECES = ["▁", "{", "}", '"', ":", ",", "▁{", '▁"', "1", "2", "a", "b", "▁a", "ab", "é"]
@@ -60,8 +60,8 @@ def metaspace_model(root: Path):
     its vocabulary larger than the tokenizer's, as a model's may be."""
     from scripted import TEMPLATE, ScriptedEngine
 
-    from gemma_ane.chat import ChatTemplate
-    from gemma_ane.runtime import Model
+    from gemma_ane.runtime.chat import ChatTemplate
+    from gemma_ane.runtime.model import Model
 
     (root / "hf_model").mkdir()
     tok = Tokenizer.from_file(str(metaspace_tokenizer(root / "hf_model" / "tokenizer.json")))
@@ -75,7 +75,7 @@ def test_the_server_takes_a_response_format_with_a_metaspace_tokenizer(tmp_path)
 
     from starlette.testclient import TestClient
 
-    from gemma_ane.server import build_app
+    from gemma_ane.server.app import build_app
 
     body = {"messages": [{"role": "user", "content": "ab"}], "response_format": {"type": "json_object"}}
     with TestClient(build_app(metaspace_model(tmp_path), model_name="m")) as http:

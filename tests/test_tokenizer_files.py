@@ -3,7 +3,7 @@ import json
 import pytest
 from jinja2.exceptions import TemplateError
 
-from gemma_ane.tokenizer_files import (
+from gemma_ane.oracle.tokenizer_files import (
     GEMMA4_CHAT_TEMPLATE,
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from gemma_ane.chat import ChatTemplate, Delta, OutputParser, gemma4_prompt
-from gemma_ane.tokenizer_files import build_tokenizer
-from gemma_ane.tokens import STRING_DELIM, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from gemma_ane.tools import (
+from gemma_ane.oracle.tokenizer_files import build_tokenizer
+from gemma_ane.runtime.chat import ChatTemplate, Delta, OutputParser, gemma4_prompt
+from gemma_ane.runtime.tokens import STRING_DELIM, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from gemma_ane.runtime.tools import (
     MAX_DEPTH,
     ToolCall,
     ToolError,

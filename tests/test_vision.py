@@ -9,17 +9,17 @@ import pytest
 import torch
 from PIL import Image
 
-from gemma_ane.audit import FUNCTION_CHECKS
-from gemma_ane.backend import MILBackend
 from gemma_ane.bundle.layout import VISION_POSITION_TABLE
+from gemma_ane.bundle.spec import ConfigError, VisionSpec
 from gemma_ane.convert import ConvertError, ConvertOptions, StageTimer
 from gemma_ane.convert.models.vision import BOUNDS, FUNCTION, encode_io, load_vision
 from gemma_ane.convert.vision import convert_vision, open_vision
-from gemma_ane.encoder import encoder_inputs
-from gemma_ane.images import preprocess
-from gemma_ane.package import Package
-from gemma_ane.spec import ConfigError, VisionSpec
-from gemma_ane.tiny import VISION, _randomize, _randomize_vision, _save, checkpoint_dir, text_config
+from gemma_ane.mil.package import Package
+from gemma_ane.oracle.tiny import VISION, _randomize, _randomize_vision, _save, checkpoint_dir, text_config
+from gemma_ane.runtime.audit import FUNCTION_CHECKS
+from gemma_ane.runtime.backend import MILBackend
+from gemma_ane.runtime.encoder import encoder_inputs
+from gemma_ane.runtime.images import preprocess
 
 BUDGET, K, PATCH = 70, 3, VISION["patch_size"]
 SIZES = [(37, 50), (120, 40), (64, 64), (30, 90), (9, 20), (200, 48)]  # (height, width): 4:3 ... 1:4, upscaled

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..files import FileFormatError, read_json, sha256_file, tree_size
-from ..package import Package, PackageError, macs, weight_bytes, weight_formats
+from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
 from .errors import BundleError
 from .interfaces import one_function_interfaces, read_interfaces
 from .layout import (

@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..files import read_json
-from ..package import Package
-from ..spec import ChunkPlan, ConfigError, ModelSpec
+from ..mil.package import Package
 from . import layout
 from .errors import BundleError
+from .plan import ChunkPlan
+from .spec import ConfigError, ModelSpec
 
 # An interface: {"inputs": {...}, "outputs": {...}, "states": {...}}, each name -> {"shape": [..], "dtype": "float16"}
 Interface = dict

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..audio import MAX_SOFT_TOKENS, MEL_BINS, SAMPLE_RATE
 from ..files import FileFormatError, read_json
-from ..images import SOFT_TOKEN_BUDGETS
-from ..spec import FULL, MAX_DRAFT_TOKENS, SLIDING
+from ..runtime.audio import MAX_SOFT_TOKENS, MEL_BINS, SAMPLE_RATE
+from ..runtime.images import SOFT_TOKEN_BUDGETS
 from .errors import BundleError
 from .layout import MODEL_CONFIG, VISION_POSITION_TABLE
+from .plan import MAX_DRAFT_TOKENS
+from .spec import FULL, SLIDING
 
 ASSISTANT, VISION, AUDIO = "assistant", "vision", "audio"  # the one-function models' entries
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..host import dequantize_rows, rope_tables, rotated_pairs
-from ..spec import ModelSpec
 from . import layout
 from .errors import BundleError
+from .host import dequantize_rows, rope_tables, rotated_pairs
+from .spec import ModelSpec
 
 
 @dataclass

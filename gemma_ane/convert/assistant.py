@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import layout, schema
-from ..checkpoint import Checkpoint, CheckpointError
+from ..bundle.host import quantize_rows
+from ..bundle.plan import Chunk, ChunkPlan, Tensor, kv_name
+from ..bundle.spec import FULL, SLIDING, AssistantSpec, ConfigError, ModelSpec
 from ..files import tree_size
-from ..host import quantize_rows
-from ..spec import FULL, SLIDING, AssistantSpec, Chunk, ChunkPlan, ConfigError, ModelSpec, Tensor, kv_name
 from . import coreml
+from .checkpoint import Checkpoint, CheckpointError
 from .models.assistant import FUNCTION, MASKS, SHORT, load_assistant, skeleton
 from .options import ConvertError, ConvertOptions
 from .text import ROW_BLOCK

@@ -23,11 +23,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..audio import SAMPLE_RATE, num_frames
 from ..bundle import schema
-from ..checkpoint import Checkpoint
 from ..files import tree_size
+from ..runtime.audio import SAMPLE_RATE, num_frames
 from . import coreml
+from .checkpoint import Checkpoint
 from .models.audio import AudioSpec, AudioTowerError, bucket_frames, encode_io, load_audio_tower
 from .options import ConvertError, ConvertOptions
 

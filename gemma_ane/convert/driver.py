@@ -18,12 +18,13 @@ from pathlib import Path
 from .. import __version__
 from ..bundle import BundleError, layout, schema
 from ..bundle.check import write_manifest
-from ..checkpoint import Checkpoint
+from ..bundle.plan import ChunkPlan
+from ..bundle.spec import ConfigError
 from ..files import FileFormatError, building, is_within
-from ..spec import ChunkPlan, ConfigError
 from . import coreml
 from .assistant import AssistantComponent
 from .audio import AudioComponent
+from .checkpoint import Checkpoint
 from .options import ConvertError, ConvertOptions, StageTimer
 from .text import convert_chunk, write_sidecars
 from .vision import VisionComponent

@@ -9,11 +9,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..audio import MAX_SECONDS
+from ..bundle.plan import MAX_DRAFT_TOKENS
 from ..errors import ConversionError
 from ..files import stop_point
-from ..images import SOFT_TOKEN_BUDGETS
-from ..spec import MAX_DRAFT_TOKENS
+from ..runtime.audio import MAX_SECONDS
+from ..runtime.images import SOFT_TOKEN_BUDGETS
 
 # The audio model's buckets, in seconds of audio: a clip runs in the shortest that holds it, and the encoder's cost
 # grows with the bucket's length, so each bucket about doubles the last (a clip pays at most ~2x its own length;

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import layout
+from ..bundle.host import quantize_rows, rope_tables
+from ..bundle.plan import ChunkPlan
 from ..bundle.schema import write_model_config
+from ..bundle.spec import FULL, Rope
 from ..bundle.tables import save_npy
-from ..checkpoint import Checkpoint
 from ..files import tree_size
-from ..host import quantize_rows, rope_tables
-from ..spec import FULL, ChunkPlan, Rope
 from . import coreml
+from .checkpoint import Checkpoint
 from .options import ConvertError, ConvertOptions
 
 ROW_BLOCK = 8192  # rows of an embedding table quantised at a time: bounded memory at any vocab

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import layout, schema
+from ..bundle.spec import VisionSpec
 from ..bundle.tables import save_npy
-from ..checkpoint import Checkpoint
 from ..files import tree_size
-from ..images import SOFT_TOKEN_BUDGETS
-from ..spec import VisionSpec
+from ..runtime.images import SOFT_TOKEN_BUDGETS
 from . import coreml
+from .checkpoint import Checkpoint
 from .models.load import checked_tensor
 from .models.vision import FUNCTION, encode_io, load_vision
 from .options import ConvertError, ConvertOptions

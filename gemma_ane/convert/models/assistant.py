@@ -22,8 +22,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ...checkpoint import Checkpoint
-from ...spec import FULL, SLIDING, AssistantSpec, Chunk, kv_name
+from ...bundle.plan import Chunk, kv_name
+from ...bundle.spec import FULL, SLIDING, AssistantSpec
+from ..checkpoint import Checkpoint
 from .load import load_module
 from .ops import RMSNorm
 from .text import MLP, Attention

@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...audio import MEL_BINS
+from ...bundle.plan import Chunk, Tensor
 from ...bundle.schema import audio_function
 from ...errors import ConversionError
-from ...spec import Chunk, Tensor
+from ...runtime.audio import MEL_BINS
 from .ops import RMSNorm
 from .vision import BOUNDS, ClippableLinear
 

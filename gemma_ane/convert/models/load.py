@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...checkpoint import Checkpoint, CheckpointError
+from ..checkpoint import Checkpoint, CheckpointError
 from ..options import ConvertError
 from .ops import RMSNorm
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...spec import Chunk, ChunkPlan, ModelSpec, kv_name
+from ...bundle.plan import Chunk, ChunkPlan, kv_name
+from ...bundle.spec import ModelSpec
 from .load import load_module
 from .ops import RMSNorm, rope
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...checkpoint import Checkpoint
-from ...spec import Chunk, Tensor, VisionSpec
+from ...bundle.plan import Chunk, Tensor
+from ...bundle.spec import VisionSpec
+from ..checkpoint import Checkpoint
 from .load import load_module
 from .ops import RMSNorm
 

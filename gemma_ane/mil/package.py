@@ -1,0 +1,171 @@
+"""Reading saved ML Programs: a package's interface, its MIL program, and the static costs of a
+function, through coremltools' own protobuf and milproto loaders (which work on any OS).
+
+This stands on the saved artifact alone and never imports our graph code: what it reports is what
+Core ML will load, not what we meant to write. Executing a program is `mil.py`'s job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BundleError
+from ..files import tree_size
+
+
+class PackageError(BundleError):
+    """A model package that cannot be read; the message names the file."""
+
+
+_DTYPES = {"FLOAT16": "float16", "FLOAT32": "float32", "INT32": "int32", "DOUBLE": "float64"}
+
+
+def tensor_type(feature_type) -> dict:
+    """{"shape": [ints], "dtype": numpy dtype name} of a model description's FeatureType: a
+    multi-array, or the array a StateType wraps."""
+    from coremltools.proto import FeatureTypes_pb2
+
+    t = feature_type
+    arr = t.stateType.arrayType if t.WhichOneof("Type") == "stateType" else t.multiArrayType
+    dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType)
+    return {"shape": [int(d) for d in arr.shape], "dtype": _DTYPES.get(dtype, dtype.lower())}
+
+
+@dataclass
+class Package:
+    """A saved .mlpackage: its protobuf spec, and the MIL program with weights loaded lazily."""
+
+    path: Path
+    spec: object
+    weights_dir: Path
+
+    @classmethod
+    def open(cls, path: str | Path) -> Package:
+        import coremltools as ct
+
+        path = Path(path)
+        if path.suffix == ".mlmodelc":
+            raise PackageError(
+                f"{path}: compiled .mlmodelc programs cannot be read back here; "
+                "keep the .mlpackage (convert --no-compile) to inspect or execute it"
+            )
+        if not (path / "Manifest.json").is_file():
+            raise PackageError(f"{path}: not an .mlpackage (no Manifest.json)")
+        try:
+            spec = ct.utils.load_spec(str(path))
+        except Exception as e:  # protobuf's errors are not one-line friendly
+            raise PackageError(f"{path}: unreadable model spec ({type(e).__name__})") from None
+        if spec.WhichOneof("Type") != "mlProgram":
+            raise PackageError(f"{path}: not an ML Program")
+        return cls(path, spec, path / "Data" / "com.apple.CoreML" / "weights")
+
+    @property
+    def function_names(self) -> list[str]:
+        names = [f.name for f in self.spec.description.functions]
+        return names or ["main"]
+
+    @property
+    def default_function(self) -> str:
+        return self.spec.description.defaultFunctionName or self.function_names[0]
+
+    def interface(self, function: str | None = None) -> dict:
+        """{"inputs", "outputs", "states"}: name -> tensor_type, from the model description (a
+        multifunction package describes each function under `description.functions`)."""
+        function = function or self.default_function
+        desc = self.spec.description
+        if desc.functions:
+            matches = [f for f in desc.functions if f.name == function]
+            if not matches:
+                raise PackageError(f"{self.path}: no function {function!r} (has {', '.join(self.function_names)})")
+            desc = matches[0]
+        return {
+            "inputs": {f.name: tensor_type(f.type) for f in desc.input},
+            "outputs": {f.name: tensor_type(f.type) for f in desc.output},
+            "states": {f.name: tensor_type(f.type) for f in getattr(desc, "state", [])},
+        }
+
+    def program(self):
+        """The pymil Program (all functions); weight files are read as ops are loaded."""
+        from coremltools.converters.mil.frontend.milproto.load import load
+
+        try:
+            return load(self.spec, self.spec.specificationVersion, str(self.weights_dir))
+        except (RuntimeError, ValueError, IndexError, OSError) as e:
+            # the blob reader's: "Invalid sentinel in blob_metadata", "index out of bounds", a reshape
+            # that does not fit: a damaged weight file, which the spec (read at open) does not cover
+            raise PackageError(
+                f"{self.path}: weight file damaged ({str(e).rstrip('.')}); re-convert or run gemma-ane check"
+            ) from None
+
+    def size_bytes(self) -> int:
+        return tree_size(self.path)
+
+
+# -- static costs of a function, read off its ops -----------------------------------------------
+
+
+def _bits(var) -> int:
+    from coremltools.converters.mil.mil import types
+
+    dtype = var.dtype
+    if types.is_tensor(var.sym_type):
+        dtype = var.sym_type.get_primitive()
+    return dtype.get_bitwidth() if hasattr(dtype, "get_bitwidth") else 32
+
+
+def weight_bytes(function) -> int:
+    """Bytes of every constant tensor the function holds, at its stored bit width (uint4 = 1/2)."""
+    total = 0
+    for op in function.operations:
+        if op.op_type == "const":
+            val = op.outputs[0].val
+            if isinstance(val, np.ndarray) and val.size > 1:
+                total += (val.size * _bits(op.outputs[0]) + 7) // 8
+    return total
+
+
+def macs(function) -> int:
+    """Multiply-accumulates of one call: linear and matmul ops (everything else is O(activations))."""
+    total = 0
+    for op in function.operations:
+        if op.op_type == "linear":
+            x, w = op.x.shape, op.weight.shape
+            total += int(np.prod(x[:-1])) * w[0] * w[1]
+        elif op.op_type == "matmul":
+            x, y = list(op.x.shape), list(op.y.shape)
+            if op.transpose_x.val:
+                x[-1], x[-2] = x[-2], x[-1]
+            if op.transpose_y.val:
+                y[-1], y[-2] = y[-2], y[-1]
+            batch = np.broadcast_shapes(tuple(x[:-2]), tuple(y[:-2]))
+            total += int(np.prod(batch)) * x[-2] * x[-1] * y[-1]
+    return total
+
+
+def weight_formats(function) -> dict:
+    """How the function stores its linear weights, read off the op producing each: {"formats": {format: count},
+    "fp16": [names of weights of >= 2048 values left at fp16]} with formats "lut N-bit / G rows" (a k-means LUT per
+    G output rows), "block intN / G inputs" (one scale per G inputs) and "fp16". Smaller weights are fp16 by design
+    (the converter compresses only weights of >= 2048 values) and are counted, not named."""
+    formats, fp16 = {}, []
+    seen = set()
+    for op in function.operations:
+        if op.op_type != "linear" or op.weight.op is None or op.weight.op.name in seen:
+            continue
+        w = op.weight.op
+        seen.add(w.name)
+        if w.op_type == "constexpr_lut_to_dense":
+            rows = w.outputs[0].shape[0] // w.lut.shape[0]
+            kind = f"lut {_bits(w.indices)}-bit / {rows} rows"
+        elif w.op_type == "constexpr_blockwise_shift_scale":
+            inputs = w.outputs[0].shape[1] // w.scale.shape[1]
+            kind = f"block int{_bits(w.data)} / {inputs} inputs"
+        else:
+            kind = "fp16" if _bits(w.outputs[0]) == 16 else f"{_bits(w.outputs[0])}-bit {w.op_type}"
+            if np.prod(w.outputs[0].shape) >= 2048:
+                fp16.append(w.name)
+        formats[kind] = formats.get(kind, 0) + 1
+    return {"formats": formats, "fp16": fp16}

@@ -1,0 +1,213 @@
+"""What a bundle costs in quality: its next-token distributions against transformers' over a real text.
+
+The shape of llama.cpp's `perplexity --kl-divergence`: the text runs through the reference (transformers in fp32,
+with the checkpoint's own weights: its original embedding tables and tied head) and through the bundle (the MIL
+executor, the runtime's own scheduling and sidecars), in the same windows; at every scored token we take
+KL(reference || bundle), whether the two argmaxes agree, and each side's negative log-likelihood of the token the
+text has. Everything the bundle does differently (palettized weights, int8 embedding tables, fp16 arithmetic) is in
+the numbers: that is the cost a user pays.
+
+Windows: every window is BOS and `context - 1` tokens of the text, windows start `stride` tokens apart, and a window
+scores its last `stride` tokens (the first window scores all of its tokens, and a last window ending at the text's
+end scores those no window scored yet): every token is scored once, and all but the first window's see at least
+`context - stride` positions before them.
+
+transformers is imported here (through `verify`): this module sits on the oracle side of the walls.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import layout
+from ..convert.checkpoint import Checkpoint
+from ..errors import InputError
+from ..files import sha256_file
+from ..runtime.tokens import BOS
+
+ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
+
+
+class EvalError(InputError):
+    """An evaluation that cannot run; the message names the file, option or field."""
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl_divergence(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
+    """Per row, KL(P || Q) = sum_v P(v) (log P(v) - log Q(v)) in nats, from log-probabilities: P the reference's,
+    Q the bundle's."""
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def windows(n: int, context: int, stride: int) -> list[tuple[int, int]]:
+    """(start, first scored) offsets into n text tokens: each window is BOS + text[start : start + context - 1] and
+    scores the tokens from `first scored` to its end. Every token is scored exactly once."""
+    span = context - 1
+    out, scored = [], 0
+    for start in range(0, n - span + 1, stride):
+        out.append((start, scored))
+        scored = start + span
+    if scored < n:  # the text's tail: one more window, ending at its end
+        out.append((n - span, scored))
+    return out
+
+
+def check_pair(ckpt: Checkpoint, bundle: Path, config: dict) -> None:
+    """Refuse a bundle that was not converted from a checkpoint of this shape and vocabulary: what its
+    model_config.json records of the source config against the checkpoint's, and the two tokenizers."""
+    spec = ckpt.spec
+    expected = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "per_layer_dim": spec.per_layer_dim,
+        "layer_types": list(spec.layer_types),
+        "num_kv_shared_layers": spec.num_kv_shared_layers,
+        "num_attention_heads": spec.num_heads,
+        "embed_scale": spec.embed_scale,
+        "per_layer_embed_scale": spec.per_layer_embed_scale,
+        "final_logit_softcapping": spec.final_logit_softcapping,
+    }
+    for name, want in expected.items():
+        if name not in config:
+            continue  # a published bundle records fewer fields; those it has are checked
+        have = config[name]
+        same = math.isclose(have, want, rel_tol=1e-6) if isinstance(want, float) else have == want
+        if not same:
+            raise EvalError(
+                f"{bundle / layout.MODEL_CONFIG}: {name}={have!r} but {ckpt.root / 'config.json'} has {want!r}: "
+                "the bundle is not of this checkpoint"
+            )
+    ours, theirs = bundle / layout.HF_TOKENIZER, ckpt.root / Path(layout.HF_TOKENIZER).name
+    if ours.is_file() and theirs.is_file() and sha256_file(ours) != sha256_file(theirs):
+        raise EvalError(f"{ours}: differs from {theirs}: the bundle is not of this checkpoint")
+
+
+def _bundle_logits(engine, ids: np.ndarray, skip: int) -> np.ndarray:
+    """The bundle's logits at rows skip.. of `ids`; the rows before fill the caches as a prompt does (KV-only
+    batches where the bundle has them), so only the scored rows hold [rows, vocab] logits."""
+    engine.reset()
+    if skip:
+        engine.feed(ids[:skip], logits="none")
+    return np.stack(engine.feed(ids[skip:], logits="all"))
+
+
+def _reference_logits(model, ids: np.ndarray, rows: int) -> np.ndarray:
+    """transformers' logits at the last `rows` rows of `ids` (logits_to_keep: the head runs on those alone)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=rows)
+    return out.logits[0].float().numpy()
+
+
+def read_text(path) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise EvalError(f"--text {path}: cannot read ({e.strerror or e})") from None
+    if not text.strip():
+        raise EvalError(f"--text {path}: empty text")
+    return text
+
+
+def tokenize(tokenizer_path: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    # the text is data: "<turn|>" in it is five characters, not the control token the tokenizer would match
+    tokenizer.encode_special_tokens = True
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def evaluate(
+    src,
+    bundle,
+    text_path,
+    context: int | None = None,
+    stride: int | None = None,
+    precision: str = "fp16",
+    progress: bool = False,
+) -> dict:
+    """KL divergence, top-1 agreement and perplexities of `bundle` against transformers over the text in
+    `text_path` (see the module's docstring for the windows). `context` defaults to the bundle's, `stride` to half
+    of it."""
+    from tqdm import tqdm
+
+    from ..bundle import read_model_config
+    from ..runtime.backend import open_engine
+    from .verify import oracle_model
+
+    if precision not in ("fp32", "fp16"):
+        raise EvalError(f"--precision {precision!r}: choose fp32 or fp16")
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise EvalError(f"--bundle {bundle}: not a bundle directory")
+    ckpt = Checkpoint(src)
+    ckpt.validate()
+    config = read_model_config(bundle)
+    check_pair(ckpt, bundle, config)
+    text = read_text(text_path)
+    engine = open_engine(bundle, "mil", precision)
+    if engine.head != "logits":
+        raise EvalError(f"--bundle {bundle}: its head returns token ids, not logits (the published layout)")
+    context = engine.context if context is None else context
+    if not 2 <= context <= engine.context:
+        raise EvalError(f"--context {context}: must be in [2, the bundle's context {engine.context}]")
+    stride = max(1, context // 2) if stride is None else stride
+    if not 1 <= stride <= context - 1:
+        raise EvalError(f"--stride {stride}: must be in [1, --context - 1 = {context - 1}]")
+    tokenizer = bundle / layout.HF_TOKENIZER
+    if not tokenizer.is_file():
+        tokenizer = ckpt.root / Path(layout.HF_TOKENIZER).name
+    ids = tokenize(tokenizer, text)
+    if len(ids) < context - 1:
+        raise EvalError(
+            f"--text {text_path}: {len(ids)} tokens, shorter than one window (--context {context}: BOS and "
+            f"{context - 1} tokens)"
+        )
+
+    model = oracle_model(ckpt)
+    kld, agree, nll_ref, nll_ours = [], [], [], []
+    bar = tqdm(total=len(ids), unit="tok", disable=not progress, desc="eval", leave=False)
+    try:
+        for start, first in windows(len(ids), context, stride):
+            window = np.asarray([BOS, *ids[start : start + context - 1]], np.int64)
+            # row r predicts window[r + 1]: the last token is only a target, and the first `skip` rows (scored by the
+            # window before) only fill the caches
+            skip, target = first - start, window[first - start + 1 :]
+            ours = _bundle_logits(engine, window[:-1], skip)
+            ref = _reference_logits(model, window[:-1], len(target))
+            for block in range(0, len(target), ROWS):
+                r = slice(block, block + ROWS)
+                lp, lq, t = log_softmax(ref[r]), log_softmax(ours[r]), target[r]
+                kld.append(kl_divergence(lp, lq))
+                agree.append(lp.argmax(-1) == lq.argmax(-1))
+                nll_ref.append(-lp[np.arange(len(t)), t])
+                nll_ours.append(-lq[np.arange(len(t)), t])
+            bar.update(len(target))
+    finally:
+        bar.close()
+    kld = np.concatenate(kld)
+    return {
+        "tokens": int(kld.size),
+        "context": context,
+        "stride": stride,
+        "precision": precision,
+        "kld_mean": float(kld.mean()),
+        "kld_p99": float(np.percentile(kld, 99)),
+        "kld_max": float(kld.max()),
+        "top1_agreement": float(np.concatenate(agree).mean()),
+        "ppl_reference": float(np.exp(np.concatenate(nll_ref).mean())),
+        "ppl_bundle": float(np.exp(np.concatenate(nll_ours).mean())),
+    }

@@ -1,0 +1,148 @@
+"""Training the `demo` preset: a tiny Gemma 4 taught demo_corpus in a few CPU minutes, so that a demo bundle gives
+checkable answers ("Paris.", a get_weather call, JSON) with well-separated logits.
+
+Deterministic by construction: the initial weights come from the seed, the corpus has a fixed order, every step
+sees the whole corpus (no sampling), and torch runs on one thread (a multi-threaded reduction may sum in any
+order), so the same seed writes the same bytes. The loss counts the model turns only: the prompts are what the
+runtime feeds, not what the model has to write.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ..runtime.chat import ChatTemplate
+from .demo_corpus import Example, examples
+from .tokenizer_files import GEMMA4_CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_MEDIA_TOKENS, build_tokenizer
+
+# Full-batch AdamW over the whole corpus. 1e-2 at this width converges within STEPS; the rate decays to zero
+# over the last half so the final steps settle instead of bouncing (the margins then stay where they are).
+STEPS = 110
+LR = 1e-2
+WARMUP = 10
+
+_CONTROL = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS.values(), *TINY_MEDIA_TOKENS.values())))
+
+
+@functools.cache
+def _template() -> ChatTemplate:
+    return ChatTemplate(GEMMA4_CHAT_TEMPLATE)
+
+
+def render(example: Example) -> str:
+    """The prompt as the runtime renders it (Model.chat_ids: the bundle's template, tools through the built-in
+    Gemma 4 formatter when the template declares none)."""
+    with warnings.catch_warnings():
+        # the template declares no tools, so conversations with tools take the built-in formatter: known here
+        warnings.filterwarnings("ignore", "the chat template does not render tools")
+        return _template().render(
+            example.messages, add_generation_prompt=True, enable_thinking=example.enable_thinking, tools=example.tools
+        )
+
+
+def tokenizer_corpus() -> str:
+    """The text the demo tokenizer learns its merges from: every prompt and answer, control tokens cut out (they
+    have ids of their own)."""
+    return "\n".join(_CONTROL.sub("\n", render(e) + "\n" + e.answer) for e in examples())
+
+
+def encode(tokenizer, example: Example) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the prompt encoded whole, as the runtime encodes it; the answer as its tokens."""
+    prompt = tokenizer.encode(render(example), add_special_tokens=False).ids
+    answer = tokenizer.encode(example.answer, add_special_tokens=False).ids
+    return prompt, answer
+
+
+@contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# Conversations run from ~25 to ~120 tokens: one padded batch would be mostly padding, so each step runs the corpus
+# as a few batches of similar lengths (their gradients summed: the same full-corpus step, at less than half the cost).
+BATCHES = 4
+
+
+def _batches(tokenizer, corpus: list[Example]) -> list[tuple]:
+    """The corpus, shortest first, cut into BATCHES right-padded batches: (ids, attention mask, mask of the
+    positions whose next token is an answer's)."""
+    pairs = sorted((encode(tokenizer, e) for e in corpus), key=lambda pa: len(pa[0]) + len(pa[1]))
+    size = -(-len(pairs) // BATCHES)
+    out = []
+    for group in (pairs[k : k + size] for k in range(0, len(pairs), size)):
+        T = max(len(p) + len(a) for p, a in group)
+        ids = torch.zeros(len(group), T, dtype=torch.long)
+        attention = torch.zeros(len(group), T, dtype=torch.long)
+        predicts = torch.zeros(len(group), T - 1, dtype=torch.bool)
+        for i, (p, a) in enumerate(group):
+            n = len(p) + len(a)
+            ids[i, :n] = torch.tensor(p + a)
+            attention[i, :n] = 1
+            # the logits at position t predict token t + 1: an answer's tokens from one position earlier
+            predicts[i, len(p) - 1 : n - 1] = True
+        out.append((ids, attention, predicts))
+    return out
+
+
+def train(model, vocab_size: int, steps: int = STEPS) -> list[float]:
+    """Train `model`'s language model (a Gemma4ForConditionalGeneration, transformers' own initial weights) on the
+    corpus, in place; the vision and audio towers are left as they are. Returns the loss of each step."""
+    tokenizer = build_tokenizer(vocab_size, tokenizer_corpus())
+    batches = _batches(tokenizer, examples())
+    total = sum(int(predicts.sum()) for _, _, predicts in batches)
+    params = list(model.model.language_model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def rate(step: int) -> float:
+        if step < WARMUP:
+            return (step + 1) / WARMUP
+        half = steps // 2
+        return 1.0 if step < half else max(0.0, (steps - step) / (steps - half))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    losses = []
+    with _one_thread():
+        model.train()
+        for _ in range(steps):
+            optimizer.zero_grad()
+            step_loss = 0.0
+            for ids, attention, predicts in batches:
+                logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+                # summed over the batch's answer tokens, divided by the corpus's: the mean over the whole corpus
+                loss = torch.nn.functional.cross_entropy(logits[predicts], ids[:, 1:][predicts], reduction="sum")
+                (loss / total).backward()
+                step_loss += loss.item() / total
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            losses.append(step_loss)
+        model.eval()
+    return losses
+
+
+def margins(model, tokenizer, corpus: list[Example] | None = None) -> list[float]:
+    """For each example, the smallest top-1 minus top-2 logit over its answer's positions (teacher-forced), or
+    negative where the answer's token is not the top-1: how far greedy decoding is from a tie."""
+    out = []
+    with torch.no_grad(), _one_thread():
+        for example in corpus or examples():
+            prompt, answer = encode(tokenizer, example)
+            ids = torch.tensor([prompt + answer])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            want = torch.tensor(answer)
+            others = logits.scatter(-1, want[:, None], float("-inf")).amax(-1)
+            chosen = logits.gather(-1, want[:, None])[:, 0]
+            # answer token's logit minus the best other one: the top-1/top-2 margin when the answer is top-1
+            gap = chosen - others
+            out.append(gap.min().item())
+    return out

@@ -1,0 +1,1 @@
+"""The runtime side: loads a bundle and generates (numpy only; never torch, transformers or the converter)."""

@@ -1,0 +1,277 @@
+"""Chunk backends: the one contract every way of running a chunk meets.
+
+The engine drives three chunks and never knows what runs them: Core ML on macOS, the MIL executor
+anywhere, or (for verification) the PyTorch graph in `graph.TorchChunk`. Each is a `ChunkBackend`:
+it states its functions and their I/O, makes fresh states, and predicts. The state lives outside
+the backend, as Core ML's `MLState` does, so the engine owns the caches it drives (and can reset
+or, later, snapshot them) whatever the backend.
+
+Torch-free: this is the runtime side.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..bundle import layout
+from ..bundle.check import chunk_paths
+from ..bundle.errors import BundleError
+from ..bundle.interfaces import Interface, one_function_interfaces, read_interfaces
+from ..bundle.schema import read_model_config
+from ..bundle.tables import check_norm_sidecar, check_rope, load_host
+from ..errors import DeviceError
+from .engine import Engine, FunctionUnavailable
+
+BACKENDS = ("auto", "coreml", "mil")
+COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
+
+
+class BackendError(BundleError, DeviceError):
+    """A backend that cannot be opened here, or a chunk it cannot run; the message says which."""
+
+
+class ChunkBackend(Protocol):
+    """One chunk package, as every backend presents it.
+
+    - `name`: the chunk's name (`chunk_1`, ...), for messages;
+    - `interfaces`: function name -> Interface, read from the model itself (never from our plan),
+      the default function first;
+    - `load(function)`: make a function ready to run. `infer` is ready once the backend is open;
+      the others (CONTRACT §3: optional) may be loaded on first use, and a device that cannot load
+      one raises FunctionUnavailable;
+    - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
+      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
+    - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
+      float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name;
+    - `read_state(state, name)` / `write_state(state, name, array)`: one state's contents as a
+      numpy array of its declared dtype, and back (Core ML: `MLState.read_state/write_state`,
+      coremltools >= 9), for snapshots of the caches.
+    """
+
+    name: str
+    interfaces: dict[str, Interface]
+
+    def load(self, function: str) -> None: ...
+
+    def make_state(self) -> Any: ...
+
+    def predict(self, function: str, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
+
+    def read_state(self, state: Any, name: str) -> np.ndarray: ...
+
+    def write_state(self, state: Any, name: str, array: np.ndarray) -> None: ...
+
+
+def cast_inputs(interface: Interface, inputs: dict) -> dict:
+    """The declared inputs, each cast to its declared dtype (extra keys are not passed on)."""
+    return {n: np.asarray(inputs[n]).astype(t["dtype"], copy=False) for n, t in interface["inputs"].items()}
+
+
+def function_of(chunk: ChunkBackend, function: str) -> Interface:
+    if function not in chunk.interfaces:
+        raise BackendError(f"{chunk.name}: no function {function!r} (has {', '.join(chunk.interfaces)})")
+    return chunk.interfaces[function]
+
+
+class MILBackend:
+    """A package run by our MIL executor: its functions loaded together, sharing weights."""
+
+    def __init__(self, path: Path, precision: str = "fp16"):
+        from ..mil.executor import MILPackage
+
+        self.package = MILPackage(path, precision)
+        self.name = Path(path).name.split(".")[0]
+        self.interfaces = {f: m.interface for f, m in self.package.functions.items()}
+
+    def load(self, function: str) -> None:
+        function_of(self, function)  # the executor loaded every function with the package
+
+    def make_state(self):
+        return self.package.make_state()
+
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        io = function_of(self, function)
+        return self.package.functions[function].predict(cast_inputs(io, inputs), state=state)
+
+    def read_state(self, state, name: str) -> np.ndarray:
+        return state.arrays[name].copy()
+
+    def write_state(self, state, name: str, array: np.ndarray) -> None:
+        state.arrays[name][...] = array
+
+
+def open_mlmodel(path: Path, units, function: str):
+    """(MLModel, None), or (None, the framework's error) when the device refuses the function. coremltools also
+    warns then ("You will not be able to run predict()"); the caller says it in one line of its own instead."""
+    import coremltools as ct
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You will not be able to run predict", RuntimeWarning)
+        model = ct.models.MLModel(str(path), compute_units=units, function_name=function)
+    return (model, None) if model.__proxy__ is not None else (None, model._framework_error)
+
+
+class CoreMLBackend:
+    """A package run by Core ML (macOS): one model per function, sharing one MLState.
+
+    Only `infer` is loaded up front. Every other function is loaded on first use (`load`): each
+    load compiles for the device, and a device may refuse one (CoreML-LLM reports the Neural Engine
+    compiler failing every stateful function with T > 1 on A19 Pro), which must cost that prompt
+    path, not the model.
+    """
+
+    def __init__(self, path: Path, compute_units: str = "cpu_and_ne"):
+        import coremltools as ct
+
+        if compute_units not in COMPUTE_UNITS:
+            raise BackendError(f"compute_units={compute_units!r}: choose one of {', '.join(COMPUTE_UNITS)}")
+        path = Path(path)
+        self.name, self.compute_units = path.name.split(".")[0], compute_units
+        self.interfaces = read_interfaces(path)
+        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        if path.suffix == ".mlpackage":
+            # Opening an .mlpackage compiles it. Compile once (loading `infer`, which lives as long
+            # as this backend), then open every other function from that one compiled model, so
+            # they share one state as in a multifunction model, and nothing is compiled twice.
+            model, error = open_mlmodel(path, self.units, "infer")
+            if error is not None:
+                raise BackendError(f"{path}: function 'infer' cannot be loaded on {compute_units}: {error}")
+            self.compiled, self.models = model.get_compiled_model_path(), {"infer": model}
+        else:
+            self.compiled, self.models = str(path), {}
+            try:
+                self.load("infer")
+            except FunctionUnavailable as e:
+                raise BackendError(str(e)) from None
+
+    def load(self, function: str) -> None:
+        import coremltools as ct
+
+        function_of(self, function)
+        if function not in self.models:
+            try:
+                model = ct.models.CompiledMLModel(self.compiled, compute_units=self.units, function_name=function)
+            except RuntimeError as e:
+                raise FunctionUnavailable(
+                    f"{self.name}: function {function!r} cannot be loaded on {self.compute_units} ({e})"
+                ) from None
+            self.models[function] = model
+
+    def make_state(self):
+        return self.models["infer"].make_state() if self.interfaces["infer"]["states"] else None
+
+    def predict(self, function: str, inputs: dict, state) -> dict:
+        feed = cast_inputs(function_of(self, function), inputs)
+        self.load(function)
+        model = self.models[function]
+        return model.predict(feed, state=state) if state is not None else model.predict(feed)
+
+    def read_state(self, state, name: str) -> np.ndarray:
+        return np.asarray(state.read_state(name)).astype(self.interfaces["infer"]["states"][name]["dtype"])
+
+    def write_state(self, state, name: str, array: np.ndarray) -> None:
+        state.write_state(name, np.asarray(array, np.float32))  # the bridge takes no fp16 arrays
+
+
+class CoreMLFunction:
+    """A stateless package of one function (the drafter's `draft`, the vision model's `encode`) under Core ML.
+    Not CoreMLBackend, which loads `infer` when it opens: this one loads its function on first use (`load`), and a
+    device may refuse it (FunctionUnavailable: the caller then goes on without this model)."""
+
+    def __init__(self, path: Path, name: str, compute_units: str, interfaces: dict):
+        import coremltools as ct
+
+        self.path, self.name, self.compute_units, self.interfaces = path, name, compute_units, interfaces
+        self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        self.model = None
+
+    def load(self, function: str) -> None:
+        import coremltools as ct
+
+        if self.model is not None:
+            return
+        error = None
+        try:
+            if self.path.suffix == ".mlpackage":
+                self.model, error = open_mlmodel(self.path, self.units, function)
+            else:
+                self.model = ct.models.CompiledMLModel(str(self.path), compute_units=self.units, function_name=function)
+        except RuntimeError as e:
+            error = e
+        if error is not None:
+            self.model = None
+            raise FunctionUnavailable(f"{self.name}: {function!r} cannot be loaded on {self.compute_units} ({error})")
+
+    def predict(self, function: str, inputs: dict, state=None) -> dict:
+        self.load(function)
+        return self.model.predict(cast_inputs(self.interfaces[function], inputs))
+
+
+def open_one_function(
+    root: Path, name: str, function: str, what: str, backend: str, precision: str, compute_units: str
+):
+    """A bundle's one-function model `name` (assistant, vision), as its .mlpackage or compiled .mlmodelc, run by
+    the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
+    found = layout.model_paths(root, name)
+    if not found:
+        raise BundleError(f"{layout.package_path(root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
+    if pick_backend(backend) == "mil":
+        return MILBackend(found[0], precision)
+    return CoreMLFunction(found[0], name, compute_units, one_function_interfaces(found[0], name, function))
+
+
+def pick_backend(backend: str) -> str:
+    """`auto` is Core ML on macOS and the MIL executor elsewhere (and says which it picked)."""
+    if backend not in BACKENDS:
+        raise BackendError(f"backend={backend!r}: choose {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "coreml" if platform.system() == "Darwin" else "mil"
+        print(f"backend: {backend} ({'Core ML' if backend == 'coreml' else 'MIL executor'})", file=sys.stderr)
+    if backend == "coreml" and platform.system() != "Darwin":
+        raise BackendError("backend=coreml: Core ML prediction needs macOS; use backend='mil' (the MIL executor)")
+    return backend
+
+
+def open_chunks(
+    paths: list[Path], backend: str, precision: str = "fp16", compute_units: str = "cpu_and_ne"
+) -> list[ChunkBackend]:
+    """One backend per chunk package, in order; `backend` is "mil" or "coreml" (see pick_backend)."""
+    if backend == "mil":
+        return [MILBackend(p, precision) for p in paths]
+    return [CoreMLBackend(p, compute_units) for p in paths]
+
+
+def open_engine(
+    root: str | Path,
+    backend: str = "mil",
+    precision: str = "fp16",
+    compute_units: str = "cpu_and_ne",
+    logits_dtype=np.float32,
+    exact_rope: bool = True,
+) -> Engine:
+    """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
+    sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
+    read off the models themselves, so bundles converted elsewhere open too."""
+    root = Path(root)
+    config = read_model_config(root)
+    check_norm_sidecar(root, config)
+    # model_config.json states the chunks of any other layout than the published three (schema.TextConfig.of)
+    expected = len(config.get("chunks", ())) or 3
+    paths = chunk_paths(root)
+    if len(paths) != expected:
+        last = layout.chunk_name(expected - 1)
+        raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
+    chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
+    # a ring padded for verify batches is wider than the window, which only the config states
+    try:
+        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+    except ValueError as e:  # chunks wired in an order the engine cannot drive
+        raise BundleError(f"{root}: {e}") from None
+    check_rope(root, engine.host, engine.context, exact_rope)
+    return engine

@@ -1,0 +1,663 @@
+"""Load a bundle and generate: `load()`, and `Model.stream_generate` (the loop everything wraps).
+
+Torch-free: runs from a plain `pip install gemma-ane`. The backend is Core ML on macOS or the MIL
+executor anywhere; the chunk I/O is read from the models themselves, so bundles converted
+elsewhere (the published layout included) run too.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..bundle import BundleError, check_bundle, layout
+from ..files import read_json
+from . import grammar, prompt_cache
+from .audio import AudioError
+from .backend import open_engine, pick_backend
+from .chat import (
+    ChatTemplate,
+    OutputParser,
+    check_nesting,
+    check_stop,
+    check_text,
+    escape_content,
+    escape_strings,
+    unused_mark,
+)
+from .drafter import open_drafter
+from .encoder import expand_media, media_sources, open_audio_encoder, open_image_encoder
+from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
+from .events import Event, Result, Stats
+from .images import MAX_PIXELS, ImageError
+from .sampling import BAN, Sampler, SamplingError, SamplingParams
+from .tokens import (
+    BOS,
+    EOS,
+    STOP_IDS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    TURN_CLOSE,
+    ControlTokens,
+)
+from .tools import check_tool_choice, check_tools, prepare_messages
+
+
+class Step(NamedTuple):
+    """What both step generators yield (Model._generate_step, Model._speculative_generate_step): a token, and the
+    logits it was drawn from (its logprobs are read from them)."""
+
+    token: int
+    logits: np.ndarray
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a bundle can do, asked in one place (Model.prepare)."""
+
+    logits: bool  # chunk_3 returns logits; False: the published layout's argmax head (greedy only, no constraints)
+    vision: bool  # it has an image encoder
+    max_draft_tokens: int  # the most drafts a verify call checks; 0: no drafter
+
+
+@dataclass
+class Request:
+    """One generation checked and tokenized by Model.prepare; Model.stream_generate(request=...) runs it. Used
+    once: its grammar's state follows one output."""
+
+    ids: list[int]  # the prompt, each image one placeholder (expanded when it runs)
+    marks: list[int]  # turn ends: where the engine snapshots its rings
+    sources: list  # the media, in their placeholders' order
+    params: SamplingParams
+    stop: list[str]
+    tools: list | None
+    parallel_tool_calls: bool
+    rule: _Rule  # what may be drawn: the grammar, logit_bias's bans and tool_choice "none"'s
+    drafts: int  # drafts a verify call; 0: plain decoding
+    max_tokens: int
+
+
+@dataclass
+class _Speculation:
+    """Counts of one generation's verify calls."""
+
+    calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def add(self, drafted: int, emitted: int) -> None:
+        # a call emits the accepted drafts and one token of the target's own (a correction, or the bonus after all)
+        self.calls, self.drafted, self.emitted = self.calls + 1, self.drafted + drafted, self.emitted + emitted
+        self.accepted += emitted - 1
+
+
+# tokens after a conversation's last turn end that are only the generation prompt ("<|turn>model\n", a thought
+# channel's opening): no later conversation parts there that would not part at the prompt's end
+_GENERATION_PROMPT = 8
+
+
+def _check(cancelled) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled("cancelled before the prompt was processed")
+
+
+class Model:
+    audio = None  # the bundle's encoder.AudioEncoder, if it has one (load opens it)
+
+    def __init__(
+        self,
+        root: Path,
+        engine: Engine,
+        tokenizer,
+        template: ChatTemplate,
+        generation: dict,
+        config: dict,
+        backend: str,
+        drafter=None,
+        images=None,
+    ):
+        self.root, self.engine, self.tokenizer, self.template = root, engine, tokenizer, template
+        self.generation, self.config, self.backend = generation, config, backend
+        self.drafter, self.images = drafter, images  # images: the bundle's encoder.ImageEncoder, if it has one
+        eos = generation.get("eos_token_id", [])
+        eos = eos if isinstance(eos, list) else [eos]
+        # <|tool_response> too: after its calls the model would go on to write the tool's answer itself
+        self.stop_ids = (
+            set(STOP_IDS) | {TOOL_RESPONSE_OPEN} | {int(e) for e in eos} | {int(config.get("eos_token_id", EOS))}
+        )
+
+    @property
+    def encoders(self) -> dict:
+        """The bundle's media encoders by the content-part type they take."""
+        return {e.kind: e for e in (self.images, self.audio) if e is not None}
+
+    @property
+    def context(self) -> int:
+        return self.engine.context
+
+    @property
+    def head(self) -> str:
+        """ "logits", or "token_id" for the published layout's argmax head (greedy only)."""
+        return self.engine.head
+
+    # Drafts per verify call when a generation does not say (`draft_tokens`): 0 decodes one token per call.
+    draft_tokens: int = 0
+    # The drafter or the verify function could not load on this device (one warning): every generation decodes
+    # without drafts, whatever it asks for.
+    drafts_unavailable: bool = False
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts one verify call of this bundle checks (0: it has no drafter)."""
+        return self.engine.verify_batch - 1 if self.drafter is not None and self.engine.verify_batch else 0
+
+    # Whether the text of user and tool messages may spell control tokens that count as such: off, a user
+    # who types "<turn|>" or "<|turn>system" cannot end their turn or open a system turn (a server's option).
+    allow_special_tokens: bool = False
+
+    def encode(self, text: str, what: str = "text") -> list[int]:
+        """`text`'s ids, every control token it spells counted as one."""
+        check_text(text, what)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _control(self) -> ControlTokens:
+        return ControlTokens(self.tokenizer)
+
+    def prompt_ids(
+        self,
+        prompt=None,
+        messages=None,
+        raw: bool = False,
+        enable_thinking: bool = False,
+        system: str | None = None,
+        tools: list | None = None,
+    ) -> list[int]:
+        """The prompt's ids. A raw prompt is the caller's own formatting, control tokens included."""
+        if messages is None and raw:
+            if prompt is None:
+                raise ValueError("give a prompt or messages")
+            if system or tools:
+                raise ValueError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
+            return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
+        check_text(prompt, "prompt")
+        check_text(system, "system")
+        return self.chat_ids(_conversation(prompt, messages, system), True, enable_thinking, tools)
+
+    def chat_ids(
+        self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False, tools=None
+    ) -> list[int]:
+        """The ids of `messages` (and the declarations of `tools`) rendered by the chat template. The
+        template's control tokens count; the text of user and tool messages, of tool declarations and
+        of call arguments stays text, whatever it spells, unless allow_special_tokens is set."""
+        check_text(messages, "messages")
+        check_text(tools, "tools")
+        check_nesting(messages)
+        tools = check_tools(tools) if tools is not None else None
+        messages = prepare_messages(messages)
+        if self.allow_special_tokens:
+            text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)
+            return self.encode(text, "the chat template's output")
+        mark, control = unused_mark(messages, tools, self.template.source), self._control
+
+        def escape(text):
+            return control.escape(text, mark)
+
+        messages, tools = escape_content(messages, escape), escape_strings(tools, escape)
+        text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)
+        check_text(text, "the chat template's output")
+        return control.encode(text, mark)
+
+    def turn_ends(self, messages: list[dict], ids: list[int], enable_thinking: bool = False, tools=None) -> list[int]:
+        """Where the messages end in `ids` (the prompt for `messages`): after each <turn|> and its newline, after
+        a message's calls (<tool_call|><|tool_response>) and after each result (<tool_response|>), found in the ids
+        themselves, without rendering again. Where a later conversation may part from this one (an edited
+        last message, an answer re-rendered without its thinking), so the engine snapshots its rings there and
+        reuse survives the part. The newest MAX_SNAPSHOTS, the engine keeping no more, before the last message's
+        own end when only the generation prompt follows it (the prompt's end is snapshotted anyway). `messages`,
+        `enable_thinking` and `tools` are what `ids` were rendered from: the ids alone now say where turns end."""
+        newline = self.encode("\n")
+        ends = []
+        for i, t in enumerate(ids):
+            if t == TURN_CLOSE:
+                end = i + 1 + len(newline) * (ids[i + 1 : i + 1 + len(newline)] == newline)
+            elif t == TOOL_RESPONSE_CLOSE or (t == TOOL_RESPONSE_OPEN and i and ids[i - 1] == TOOL_CALL_CLOSE):
+                end = i + 1  # a message of calls ends in their turn, awaiting results; a tool message, after its own
+            else:
+                continue
+            if end < len(ids):
+                ends.append(end)
+        if ends and len(ids) - ends[-1] <= _GENERATION_PROMPT:
+            ends.pop()
+        return ends[-MAX_SNAPSHOTS:]
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def save_prompt_cache(self, path, position: int | None = None) -> int:
+        """Save the caches of the first `position` cached tokens (default: all of them; otherwise a
+        prompt's end or turn end, where the rings were snapshotted) to `path`; returns `position`."""
+        position = self.engine.position if position is None else position
+        prompt_cache.save(path, self.engine, position, prompt_cache.fingerprint(self.root))
+        return position
+
+    def load_prompt_cache(self, path) -> int:
+        """Start from a file save_prompt_cache wrote for this bundle; returns the tokens it holds."""
+        return prompt_cache.load(path, self.engine, prompt_cache.fingerprint(self.root))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this bundle can do, asked in one place (prepare) for every generation."""
+        return Capabilities(self.head == "logits", self.images is not None, self.max_draft_tokens)
+
+    def prepare(
+        self,
+        prompt=None,
+        messages=None,
+        *,
+        max_tokens: int = 256,
+        stop=None,
+        raw: bool = False,
+        enable_thinking: bool = False,
+        system: str | None = None,
+        tools: list | None = None,
+        tool_choice="auto",
+        parallel_tool_calls: bool = True,
+        response_format: dict | None = None,
+        draft_tokens: int | None = None,
+        **sampling,
+    ) -> Request:
+        """One generation checked and tokenized, every check made, the template rendered once and the grammar
+        compiled once: what stream_generate runs (its arguments are these; see there). The server prepares a
+        request before it queues, so the worker only runs it. Errors: SamplingError, StopError, ToolError,
+        GrammarError, ChatError, ImageError (images for a bundle without a vision model), ValueError. A prompt
+        longer than the context is refused when it runs, once its images are expanded (len(ids) counts one
+        placeholder an image)."""
+        caps = self.capabilities
+        params = SamplingParams.from_generation_config(
+            self.generation, vocab_size=self.config["vocab_size"], **sampling
+        )
+        if not caps.logits and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
+            raise ValueError(
+                "this bundle's chunk_3 returns only the argmax token (published layout): "
+                "sampling and logit_bias are not possible; use temperature=0"
+            )
+        stop = check_stop(stop)
+        tools = check_tools(tools) if tools is not None else None
+        rule = self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, params.logit_bias)
+        drafts = self._drafts(draft_tokens, rule.constraint)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
+        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
+        conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
+        marks = self.turn_ends(conversation, ids) if conversation else []
+        sources = media_sources(conversation)
+        for kind, where, _ in sources:  # refused here, before a server queues it, not once it runs
+            if kind == "image" and not caps.vision:
+                raise ImageError(f"{where}: this bundle has no vision model (converted without one)")
+            if kind == "audio" and self.audio is None:
+                raise AudioError(f"{where}: this bundle has no audio model (converted without one)")
+        return Request(ids, marks, sources, params, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
+
+    def stream_generate(
+        self, prompt=None, messages=None, *, request: Request | None = None, cancelled=None, **kw
+    ) -> Iterator[Event]:
+        """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
+
+        max_tokens, stop, raw, enable_thinking, system: as their names say. tools: OpenAI-style function
+        declarations, rendered by the chat template; the calls the model makes come back on Event.tool_calls,
+        and a turn that ends in calls finishes with "tool_calls". tool_choice: "auto", "none" (the model cannot
+        open a call), "required" or a function's name (the output is forced to be calls, by constrained
+        decoding). response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also
+        enforced by constrained decoding. draft_tokens: speculative decoding with the bundle's drafter, K drafts
+        per verify call (default: `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for
+        token; sampled output follows the same distribution. Constrained generations decode one token at a time.
+        The sampling fields (sampling.FIELDS) as keywords. request: one `prepare` made, instead of all these.
+        cancelled: a callable asked during the prompt's processing (between its steps and prefill batches); once
+        it returns true, Cancelled is raised, so a caller that has gone stops costing host time before the first
+        token."""
+        if request is None:
+            request = self.prepare(prompt, messages, **kw)
+        elif prompt is not None or messages is not None or kw:
+            raise ValueError("give a prepared request or a prompt and its options, not both")
+        yield from self._run(request, cancelled)
+
+    def _run(self, request: Request, cancelled) -> Iterator[Event]:
+        """The generation `request` describes: its media encoded, the prompt processed, then the layers: the steps
+        of plain or speculative decoding (sibling generators of Steps), detokenized and parsed here into Events,
+        with the Stats last (as mlx-lm's generate_step / speculative_generate_step under stream_generate, under
+        generate)."""
+        params, max_tokens, parser = request.params, request.max_tokens, None
+        t0 = time.perf_counter()  # the images' encoding counts as prompt time
+        _check(cancelled)
+        ids, marks, self.engine.soft_tokens = expand_media(
+            request.ids, request.marks, self.encoders, request.sources, self.context
+        )
+        _check(cancelled)
+        if len(ids) > self.context:
+            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
+        parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
+        reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
+        # the penalties count text tokens (an image's keys are no vocabulary ids)
+        sampler, spec = Sampler(params, history=[t for t in ids if t >= 0], bans=request.rule.bans), _Speculation()
+        steps = (
+            self._speculative_generate_step(logits, sampler, request.drafts, max_tokens, spec)
+            if request.drafts
+            else self._generate_step(logits, sampler, request.rule)
+        )
+        generated, finish, t_first = 0, None, None
+        # the published head returns the chosen id only: no distribution to report
+        report = params.logprobs is not None and self.capabilities.logits
+        try:
+            for token, logits in steps if max_tokens else ():
+                t_first = t_first or time.perf_counter()
+                lp, top = sampler.logprobs(logits, token) if report else (None, [])
+                generated += 1
+                if token in self.stop_ids:
+                    finish = "tool_calls" if parser.tool_calls else "stop"
+                    end = parser.finish()
+                    yield Event(token=token, text=end.content, tool_calls=end.tool_calls, logprob=lp, top_logprobs=top)
+                    break
+                delta = parser.add(token)
+                yield Event(
+                    token=token,
+                    text=delta.content,
+                    reasoning=delta.reasoning,
+                    tool_calls=delta.tool_calls,
+                    logprob=lp,
+                    top_logprobs=top,
+                )
+                if parser.stopped:
+                    finish = "stop"
+                    break
+                if delta.tool_calls and not request.parallel_tool_calls:
+                    finish = "tool_calls"  # one call asked for: its response comes before anything else
+                    break
+                # the context holds the prompt and every token but this one, which is not fed: no chunk runs for it
+                if generated >= max_tokens or len(ids) + generated > self.context:
+                    finish = "length"
+                    break
+        finally:
+            steps.close()  # a speculative step rewinds the caches to the tokens emitted
+        finish = finish or "length"  # max_tokens=0
+        end = time.perf_counter()
+        tail = parser.finish().content if finish == "length" else ""
+        ttft, decode_s = (t_first or end) - t0, end - (t_first or end)
+        yield Event(
+            text=tail,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            reused_tokens=reused,
+            generated_tokens=generated,
+            time_to_first_token=ttft if t_first else 0.0,
+            prefill_tokens_per_s=(len(ids) - reused) / ttft if t_first and ttft else 0.0,
+            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
+            acceptance_rate=spec.accepted / spec.drafted if spec.drafted else 0.0,
+            tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
+        )
+
+    def _generate_step(self, logits, sampler: Sampler, rule: _Rule) -> Iterator[Step]:
+        """Plain decoding's steps: a token and the logits it was drawn from, one chunk call per token."""
+        constraint = rule.constraint
+        while True:
+            token = self._pick(sampler, logits) if constraint is None else self._allowed_pick(sampler, logits, rule)
+            if constraint is not None:
+                constraint.advance(token)
+                rule.steps += 1
+            sampler.observe(token)
+            yield Step(token, logits)
+            logits = self.engine.feed([token])[-1]
+
+    def _speculative_generate_step(self, logits, sampler: Sampler, k: int, budget: int, spec) -> Iterator[Step]:
+        """As _generate_step, but the drafter proposes up to k tokens after the last one and one verify call checks
+        them all: each emitted token is the one the target's own sampling gives (Sampler.verify). Where no
+        verify call fits (the context's end, the ring's edge) or fewer than two tokens remain: one plain step."""
+        engine = self.engine
+        token = sampler.sample(logits)
+        sampler.observe(token)
+        yield Step(token, logits)
+        emitted = 1
+        while True:
+            n = min(k, budget - emitted - 1)
+            batch = self._verify(token, n, sampler, spec) if n >= 1 and engine.can_verify() and self.drafter else None
+            verified = batch is not None
+            if batch is None:
+                logits = engine.feed([token])[-1]
+                token = sampler.sample(logits)
+                sampler.observe(token)
+                batch = [(token, logits)]
+            start = engine.position - len(batch)  # where the last token before this batch is cached
+            for i, (token, row) in enumerate(batch):
+                try:
+                    yield Step(token, row)
+                except GeneratorExit:
+                    engine.rewind(start + i + 1)  # as plain decoding: every token taken but the last is cached
+                    if verified:  # a stop inside the batch: what followed it was never emitted
+                        spec.emitted -= len(batch) - i - 1
+                    raise
+            emitted += len(batch)
+
+    def _verify(self, token: int, n: int, sampler: Sampler, spec) -> list[tuple[int, object]] | None:
+        """One speculative step from `token` (not cached yet): n drafts, one verify call, the tokens it emits
+        with the rows they were drawn from; the caches keep `token` and the accepted drafts. None when the
+        drafter or the verify function cannot run on this device: decoding goes on without drafts."""
+        engine, P = self.engine, self.engine.position
+        try:
+            drafts, proposals, x, carry = [], [], token, engine.final_hidden
+            for _ in range(n):
+                proposal, carry = self.drafter.step(x, carry, P, engine.shared_kv)
+                x = sampler.draft(proposal)
+                drafts.append(x)
+                proposals.append(proposal)
+            rows, hidden = engine.verify([token, *drafts] + [0] * (engine.verify_batch - 1 - n))
+        except FunctionUnavailable as e:
+            # the caller's line: past this, the step generator, _run and stream_generate
+            warnings.warn(f"{e}; decoding without drafts", RuntimeWarning, stacklevel=5)
+            self.drafter, self.drafts_unavailable = None, True
+            return None
+        out = []
+        for row, draft, proposal in zip(rows, drafts, proposals):
+            t, accepted = sampler.verify(row, draft, proposal)
+            sampler.observe(t)
+            out.append((t, row))
+            if not accepted:
+                break
+        else:  # every draft held: the last row gives one more token
+            t = sampler.sample(rows[n])
+            sampler.observe(t)
+            out.append((t, rows[n]))
+        engine.accept(P + len(out), hidden[len(out) - 1])
+        spec.add(n, len(out))
+        return out
+
+    def use_drafts(self, k: int) -> None:
+        """Speculative decoding with k drafts a verify call for every generation that does not say otherwise
+        (the CLI's and the server's --draft); 0 turns it off. A ValueError when this bundle cannot."""
+        self._drafts(k, None)
+        self.draft_tokens = k
+
+    def _drafts(self, draft_tokens, constraint) -> int:
+        """Drafts per verify call for this generation (0: plain decoding)."""
+        k = self.draft_tokens if draft_tokens is None else draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"draft_tokens={k!r}: expected a non-negative integer")
+        most = self.capabilities.max_draft_tokens
+        if k and not most and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle has no drafter (convert with --assistant)")
+        if k > most and not self.drafts_unavailable:
+            raise ValueError(f"draft_tokens={k}: this bundle verifies at most {most} drafts a call")
+        # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
+        return 0 if constraint is not None or self.drafter is None else k
+
+    def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool):
+        """The grammar this generation must follow, if any: forced calls, or the response format."""
+        text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
+        if text is None:
+            return None
+        if not self.capabilities.logits:
+            field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for a grammar
+            why = "constrained decoding needs logits; this bundle's head returns only the chosen token"
+            raise grammar.GrammarError(f"{field}: {why}", param=field)
+        tokenizer = self.root / layout.HF_TOKENIZER
+        return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
+
+    def _allowed_pick(self, sampler: Sampler, logits, rule: _Rule) -> int:
+        """A token the grammar takes and logit_bias does not ban, never another: a token of llguidance's mask
+        that its parser then refuses is masked out too and the draw repeated; none left is `rule`'s error."""
+        allowed = rule.constraint.allowed(rule.banned)
+        while allowed.any():
+            token = self._pick(sampler, rule.constraint.mask(logits, allowed))
+            if allowed[token] and rule.constraint.legal(token):
+                return token
+            allowed[token] = False
+        raise rule.no_token()
+
+    def check_constraints(
+        self,
+        tools=None,
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        response_format=None,
+        enable_thinking=False,
+        logit_bias=None,
+    ) -> None:
+        """Refuses what stream_generate would refuse before its first token because its constraints leave no
+        token to draw (the grammar's first tokens all banned, or a grammar this tokenizer cannot spell): for
+        the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
+        tools = check_tools(tools) if tools is not None else None
+        self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, logit_bias)
+
+    def _rule(self, tools, tool_choice, parallel: bool, response_format, thinking: bool, logit_bias) -> _Rule:
+        """What this generation may draw (`tools` already checked): its grammar compiled, tool_choice "none"'s
+        ban, logit_bias's; refused (see _Rule.check_start) when that leaves no first token."""
+        choice = check_tool_choice(tool_choice, tools)
+        constraint = self._constraint(tools, choice, parallel, response_format, thinking)
+        bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
+        rule = _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans)
+        rule.check_start()
+        return rule
+
+    def _pick(self, sampler: Sampler, logits) -> int:
+        if self.head != "logits":
+            return int(logits[0])  # published head: chunk_3 already chose
+        return sampler.sample(logits)
+
+    def generate(self, prompt=None, messages=None, **kw) -> Result:
+        r = Result()
+        for ev in self.stream_generate(prompt, messages, **kw):
+            r.text += ev.text
+            r.reasoning += ev.reasoning
+            r.tool_calls += ev.tool_calls
+            if ev.token is not None:
+                r.tokens.append(ev.token)
+                r.logprobs.append(ev.logprob)
+                r.top_logprobs.append(ev.top_logprobs)
+        r.finish_reason = ev.finish_reason
+        for f in fields(Stats):
+            setattr(r, f.name, getattr(ev, f.name))
+        return r
+
+
+class _Rule:
+    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias and
+    `bans` ban (tool_choice "none" bans <|tool_call>). An empty choice is refused, never a NaN or a forbidden draw."""
+
+    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
+        self.constraint, self.vocab, self.choice = constraint, vocab, choice
+        self.bans = [int(t) for t in bans]
+        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | set(self.bans)
+        self.banned = np.array(sorted(banned), np.int64)
+        self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
+        self.steps = 0
+
+    def check_start(self) -> None:
+        """Refuses a generation whose first draw would have no token, before anything runs."""
+        if self.constraint is None:
+            if len(self.banned) >= self.vocab:  # tool_choice "none" banned the one token logit_bias left
+                raise SamplingError(
+                    "logit_bias: it bans every token but <|tool_call>, which tool_choice 'none' bans",
+                    param="logit_bias",
+                )
+            return
+        if not any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed(self.banned)))):
+            raise self.no_token()
+
+    def no_token(self) -> ValueError:
+        """The error for a draw without a token: logit_bias's when it banned them all, else the grammar's."""
+        where = f"after {self.steps} token{'s' * (self.steps > 1)}" if self.steps else "at the start"
+        if len(self.banned) and any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed()))):
+            what = f"{self.field} {self.choice!r}" if self.field == "tool_choice" else self.field
+            return SamplingError(f"logit_bias: it bans every token {what} allows {where}", param="logit_bias")
+        return grammar.GrammarError(
+            f"{self.field}: no token of this tokenizer can continue it {where}", param=self.field
+        )
+
+
+def _conversation(prompt, messages, system) -> list[dict]:
+    if messages is not None:
+        return messages
+    if prompt is None:
+        raise ValueError("give a prompt or messages")
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def load(
+    bundle,
+    backend: str = "auto",
+    compute_units: str = "cpu_and_ne",
+    verify: bool = False,
+    precision: str = "fp16",
+    exact_rope: bool = True,
+    max_image_pixels: int = MAX_PIXELS,
+) -> Model:
+    """Open and validate a bundle. `verify=True` also checks every file's sha256 against the manifest;
+    `max_image_pixels`: the largest width * height of an image in a prompt, checked before it is decoded."""
+    from tokenizers import Tokenizer
+
+    root = Path(bundle)
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a bundle directory")
+    problems = check_bundle(root, sha256=verify)
+    if problems:
+        more = len(problems) - 1
+        raise BundleError(
+            problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else "")
+        )
+    backend = pick_backend(backend)
+    # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
+    engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
+    tokenizer = Tokenizer.from_file(str(root / layout.HF_TOKENIZER))
+    gen_path = root / layout.HF_GENERATION_CONFIG
+    generation = read_json(gen_path) if gen_path.is_file() else {}
+    config = read_json(root / layout.MODEL_CONFIG)
+    drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
+    images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
+    template = _template(root / layout.HF_DIR)
+    model = Model(root, engine, tokenizer, template, generation, config, backend, drafter, images)
+    model.audio = open_audio_encoder(root, backend, precision, compute_units, config)
+    return model
+
+
+def _template(hf: Path) -> ChatTemplate:
+    source = None
+    if (hf / "chat_template.jinja").is_file():
+        source = (hf / "chat_template.jinja").read_text()
+    cfg = {}
+    if (hf / "tokenizer_config.json").is_file():
+        cfg = read_json(hf / "tokenizer_config.json")
+        if source is None and isinstance(cfg.get("chat_template"), str):
+            source = cfg["chat_template"]
+    bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
+    return ChatTemplate(
+        source, bos_token=bos if isinstance(bos, str) else "<bos>", eos_token=eos if isinstance(eos, str) else "<eos>"
+    )

@@ -1,0 +1,119 @@
+"""The server's worker: one thread owns the model and runs the queued generations one at a time, in arrival order
+(the caches hold one conversation, and prefix reuse carries from one request to the next). A Job carries one
+request's events back to the event loop that serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+from ..runtime.engine import Cancelled
+
+log = logging.getLogger("gemma_ane.server.app")
+
+END = object()  # the worker's last item for a job: nothing more will come
+
+
+class Job:
+    """One generation: its arguments, a cancel flag the worker checks between tokens (the runtime, between
+    the prompt's steps and prefill batches), and the
+    asyncio queue its events come back on."""
+
+    def __init__(self, rid: str, kwargs: dict, loop: asyncio.AbstractEventLoop):
+        self.id, self.kwargs, self.loop = rid, kwargs, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def next(self):
+        return await self.events.get()
+
+
+class Worker:
+    """Owns the model: one thread runs queued jobs in order. `max_queue` jobs may wait behind the
+    running one; `submit` refuses the next."""
+
+    def __init__(self, model, max_queue: int):
+        self.model, self.max_queue = model, max_queue
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._admitted = 0  # waiting + running
+        self._thread: threading.Thread | None = None
+        self.current: Job | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._admitted - (self.current is not None)
+
+    def submit(self, job: Job) -> bool:
+        with self._lock:
+            if self._admitted > self.max_queue:
+                return False
+            self._admitted += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gemma-ane-engine", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything and let the thread finish its current token."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        for job in list(self._jobs.queue):
+            if job is not None:
+                job.cancel()
+        if self.current is not None:
+            self.current.cancel()
+        self._jobs.put(None)
+        thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self.current = job
+            try:
+                if not job.cancelled.is_set():
+                    self._generate(job)
+            finally:
+                self.current = None
+                with self._lock:
+                    self._admitted -= 1
+                job.put(END)
+
+    def _generate(self, job: Job) -> None:
+        tokens = 0
+        # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
+        events = self.model.stream_generate(**job.kwargs, cancelled=job.cancelled.is_set)
+        try:
+            for ev in events:
+                job.put(ev)
+                tokens += ev.token is not None
+                if job.cancelled.is_set():
+                    # closing the generator at a yield leaves the caches and `cached` in step
+                    log.info("%s: client gone, generation stopped after %d tokens", job.id, tokens)
+                    return
+        except Cancelled as e:
+            log.info("%s: client gone, %s", job.id, e)
+        except ValueError as e:  # the request's fault (sampling, template, context): reported as 400
+            log.info("%s: refused: %s", job.id, e)
+            job.put(e)
+        except Exception as e:
+            log.exception("%s: generation failed", job.id)
+            job.put(e)
+        finally:
+            events.close()
