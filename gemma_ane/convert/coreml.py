@@ -6,7 +6,9 @@ replacement (a test's, a profiler's) covers every converter."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import platform
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -218,6 +220,9 @@ def finish_function(
     if options.bits != 16:
         with timer("palettize"):
             _palettize_pass(options, lut_cache, skipped if skipped is not None else set(), kept)(prog)
+            # The dense weights the pass replaced are held by the program's reference cycles until a collection:
+            # the size of the model again, beside its compressed form, through serialisation.
+            gc.collect()
     with timer("convert"), quiet_coremltools():
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
@@ -273,10 +278,12 @@ def save_functions(progs, default: str, name: str, options: ConvertOptions, out:
     is `default`, or compiled to OUT/NAME.mlmodelc. Returns the path written."""
     work = out / WORK
     work.mkdir(exist_ok=True)
-    paths, skipped, kept, luts = {}, set(), set(), {}
+    paths, skipped, kept, luts = {}, set(), set(), SpilledCache(work / "luts")
     for function, prog in progs:
         paths[function] = layout.package_path(work, f"{name}.{function}")
         finish_function(prog, options, luts, timer, skipped, paths[function], kept)
+        del prog
+        gc.collect()  # the saved program's cycles, before the next one is traced
     note_fp16(name, options, skipped, kept)
     final = layout.package_path(out, name)
     with timer("merge"), quiet_coremltools(), temp_files_in(work):
@@ -288,6 +295,44 @@ def save_functions(progs, default: str, name: str, options: ConvertOptions, out:
         compile_package(final, layout.compiled_path(out, name))
         shutil.rmtree(final)
     return layout.compiled_path(out, name)
+
+
+class SpilledCache:
+    """The palettize pass's cache (weight hash -> its compressed arrays) kept in .npy files under `folder`, not in
+    memory: a chunk's indices are a byte per weight (~1 GB for E2B's largest chunk), needed again only when the
+    chunk's next function meets the same weight, and held meanwhile beside that function's fp32 and fp16 copies."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.parts: dict[str, int] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.parts
+
+    def __setitem__(self, key: str, arrays: tuple) -> None:
+        for i, a in enumerate(arrays):
+            np.save(self.folder / f"{key}.{i}.npy", a, allow_pickle=False)
+        self.parts[key] = len(arrays)
+
+    def __getitem__(self, key: str) -> tuple:
+        return tuple(np.load(self.folder / f"{key}.{i}.npy", allow_pickle=False) for i in range(self.parts[key]))
+
+
+def return_freed_memory() -> None:
+    """From now on in this process, glibc hands freed blocks of 1 MiB and more straight back to the system, and
+    what the heap holds free goes back now. By default glibc's mmap threshold rises to the largest block freed (up
+    to 32 MiB), after which a converter's weight-sized arrays come from the heap and stay resident once freed:
+    measured, a converted chunk's memory outlived it and the next stage started that much higher. glibc cannot
+    restore its adaptive threshold, so the setting stays (a fixed threshold only means more mmap calls).
+    Elsewhere (macOS, musl) nothing changes."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
 
 
 def note_fp16(name: str, options: ConvertOptions, skipped: set, kept: set) -> None:

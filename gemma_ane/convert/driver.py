@@ -21,6 +21,7 @@ from ..bundle.check import write_manifest
 from ..bundle.plan import ChunkPlan
 from ..bundle.spec import ConfigError
 from ..files import FileFormatError, building, is_within
+from . import coreml
 from .assistant import AssistantComponent
 from .audio import AudioComponent
 from .checkpoint import Checkpoint
@@ -62,6 +63,7 @@ def convert(
     """Convert SRC into the bundle directory OUT; returns {stage: seconds} (`timer` also holds
     each stage's peak resident memory). OUT appears whole, or not at all."""
     options.check()
+    coreml.return_freed_memory()
     timer = timer or StageTimer()
     out = Path(out)
     if out.exists() and not options.force:

@@ -43,7 +43,7 @@ def convert_chunk(
             model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
         except ValueError as e:
             raise ConvertError(f"{ckpt.root}: {e}") from None
-    lut_cache, paths, skipped, kept = {}, {}, set(), set()
+    lut_cache, paths, skipped, kept = coreml.SpilledCache(work / "luts"), {}, set(), set()
     for i, function in enumerate(tqdm(chunk.functions, desc=f"convert {chunk.name}", unit="fn", disable=not progress)):
         paths[function] = layout.package_path(work, f"{chunk.name}.{function}")
         prog = coreml.trace_function(model, chunk, function, timer)
@@ -54,13 +54,15 @@ def convert_chunk(
             gc.collect()
         coreml.finish_function(prog, options, lut_cache, timer, skipped, paths[function], kept)
         del prog
-    del lut_cache
-    gc.collect()  # the programs hold reference cycles: free them before the next chunk loads
+        # The saved program holds reference cycles: collected now, not beside the next function's fp32 and fp16
+        # copies of the chunk.
+        gc.collect()
     coreml.note_fp16(chunk.name, options, skipped, kept)
     package = layout.package_path(out, chunk.name)
     with timer("merge"), coreml.quiet_coremltools(), coreml.temp_files_in(work):
         coreml.merge_functions(paths, package)
     shutil.rmtree(work)
+    coreml.return_freed_memory()  # what the merge freed, before the next chunk loads
     if not compile_:
         return tree_size(package)
     with timer("compile"):
