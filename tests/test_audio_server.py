@@ -15,7 +15,7 @@ from test_server import CHAT, THOUGHT, FakeModel, assert_openai_error
 from test_server_images import serving
 
 from gemma_ane.runtime import audio
-from gemma_ane.server.request import TEXT_BODY, ImageLimits, audio_limit
+from gemma_ane.server.media import TEXT_BODY, ImageLimits, audio_limit
 
 HEARS = types.SimpleNamespace(max_seconds=30.0)  # stands for the bundle's AudioEncoder: its longest clip
 

@@ -40,7 +40,9 @@ from pathlib import Path
 
 from ..errors import GemmaAneError, InputError
 from . import fetch
-from .request import TEXT_BODY, APIError, ImageLimits, parse_request, prepare, remote_urls
+from .errors import APIError
+from .media import TEXT_BODY, ImageLimits, remote_urls
+from .request import parse_request, prepare
 from .response import Generation, Render, Vocab, send_json
 from .worker import Job, Worker
 

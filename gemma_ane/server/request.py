@@ -1,46 +1,15 @@
 """The server's request parsing: every field of a chat or completion request checked for its type and range (a 400
-naming it), its images decoded and bounded (data: URLs, or fetched ones: gemma_ane.server.fetch), then `prepare`, which
-has the runtime build the request (Model.prepare) before it queues."""
+naming it), its media parts checked (gemma_ane.server.media), then `prepare`, which has the runtime build the request
+(Model.prepare) before it queues."""
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import re
-import sys
-
-from ..errors import GemmaAneError, InputError
 from ..runtime import grammar
-from ..runtime.audio import AudioError, input_audio_bytes, load_audio
 from ..runtime.chat import ChatError, StopError, check_stop
-from ..runtime.images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from ..runtime.sampling import FIELDS, SamplingError, SamplingParams
 from ..runtime.tools import ToolError, check_tool_choice, check_tools
-from . import fetch
-
-TEXT_BODY = 1_000_000  # bytes: a request body without images
-
-
-class APIError(GemmaAneError):
-    """A request the server refuses, rendered in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
+from .errors import APIError, error_of
+from .media import ImageLimits, check_audios, check_images
 
 _JSON_NAMES = {
     bool: "a boolean",
@@ -65,32 +34,6 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
         got = _JSON_NAMES.get(type(value), type(value).__name__)
         raise APIError(400, f"{param}: expected {want}, got {got}", param=param)
     return value
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageLimits:
-    """What the images of one request may be; each is checked before the request queues."""
-
-    max_image_bytes: int = 10_000_000  # an image's file, decoded from base64
-    max_image_pixels: int = MAX_PIXELS  # width * height, from the file's header
-    max_images: int = 4  # in one request: with the bytes, bounds the body a vision bundle admits (~54 MB)
-    # fetch http(s) image URLs (serve --allow-remote-images). Off by default: the server then fetches nothing for a
-    # client. On, only public addresses are fetched (see gemma_ane.server.fetch)...
-    remote_images: bool = False
-    # ...and these hosts and networks (serve --allow-fetch-from): addresses, CIDR networks or host names
-    allow_fetch_from: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        for name, low in (("max_image_bytes", 1), ("max_image_pixels", 1), ("max_images", 0)):
-            if getattr(self, name) < low:
-                raise InputError(f"{name}={getattr(self, name)}: must be >= {low}")
-        fetch.Allowlist(self.allow_fetch_from)  # a bad entry is refused before a bundle loads
-
-    def max_body(self, model) -> int:
-        """The default body limit: text, plus max_images files as base64 when the model takes images, plus
-        MAX_AUDIOS clips' (audio_limit) when it takes audio."""
-        images = 0 if getattr(model, "images", None) is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
-        return TEXT_BODY + images + MAX_AUDIOS * 4 * -(-audio_limit(model) // 3)
 
 
 def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
@@ -119,14 +62,14 @@ def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dic
         if m.get("tool_calls") is not None:
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
-    _images(out, model, limits, fetched)
-    _audios(out, model)
+    check_images(out, model, limits, fetched)
+    check_audios(out, model)
     return out
 
 
 def _part(part, where: str) -> dict:
     """A content part, checked for its shape: text, or OpenAI's image_url (a URL string, or {"url": ..., "detail":
-    ...}; detail has no effect, the bundle fixes an image's soft tokens). A copy: _images replaces the image's."""
+    ...}; detail has no effect, the bundle fixes an image's soft tokens). A copy: check_images replaces the image's."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return dict(part)
@@ -140,165 +83,11 @@ def _part(part, where: str) -> dict:
             param = f"{where}.image_url.detail"
             raise APIError(400, f"{param}={detail!r}: expected 'auto', 'low' or 'high'", param=param)
         return dict(part)
-    if kind == "input_audio":  # its object is checked as it is decoded (_audios), once the model is known to hear
+    if kind == "input_audio":  # its object is checked as it is decoded (check_audios), once the model is known to hear
         return dict(part)
     if kind == "text" or not isinstance(kind, str):
         raise APIError(400, f"{where}: expected {{'type': 'text', 'text': a string}} or an image_url part", param=where)
     raise APIError(400, f"{where}: part type {kind!r} is not supported (text, image_url and input_audio)", param=where)
-
-
-def _images(messages: list[dict], model, limits: ImageLimits, fetched: dict) -> None:
-    """Replaces each image_url part by {"type": "image", "image": the file's bytes}, as the runtime takes it, once
-    the request is within every limit: the model takes images, their count, then each file's size and pixels."""
-    found = [
-        (m["content"], j, f"messages[{i}].content[{j}]")
-        for i, m in enumerate(messages)
-        if isinstance(m["content"], list)
-        for j, p in enumerate(m["content"])
-        if p["type"] == "image_url"
-    ]
-    if not found:
-        return
-    if getattr(model, "images", None) is None:
-        where = found[0][2]
-        raise APIError(400, f"{where}: this model takes no images (its bundle has no vision model)", param=where)
-    if len(found) > limits.max_images:
-        message = f"messages: {len(found)} images, more than the {limits.max_images} a request may hold"
-        raise APIError(400, message, param="messages")
-    for i, m in enumerate(messages):
-        parts = m["content"] if isinstance(m["content"], list) else []
-        image = next((j for j, p in enumerate(parts) if p["type"] == "image_url"), None)
-        why = _no_images_here(messages, i) if image is not None else None
-        if why:
-            where = f"messages[{i}].content[{image}]"
-            raise APIError(400, f"{where}: {why}; send images in user messages", param=where)
-    for content, j, where in found:
-        url = content[j]["image_url"]
-        content[j] = {"type": "image", "image": _image_file(url, f"{where}.image_url", limits, fetched)}
-
-
-def _no_images_here(messages: list[dict], i: int, media: str = "images") -> str | None:
-    """Why the chat template would drop the `media` of messages[i] (their placeholders never rendered), or None."""
-    role = messages[i]["role"]
-    if role == "system" and i == 0:
-        return f"a leading system message cannot hold {media} (the template renders only its text)"
-    if role == "tool":
-        k = i
-        while k > 0 and messages[k - 1]["role"] == "tool":
-            k -= 1
-        if k == 0 or not messages[k - 1].get("tool_calls"):
-            return f"a tool message that answers no assistant tool_calls cannot hold {media} (the template drops it)"
-    if role not in ("user", "assistant", "system", "tool"):
-        return f"a {role!r} message cannot hold {media}"
-    return None
-
-
-# Audio parts (OpenAI's input_audio). A clip's file is at most audio_limit bytes: the bundle's longest clip (its
-# largest bucket) as 48 kHz stereo 32-bit PCM, the largest common uncompressed recording, plus a header's room;
-# a compressed file of that length is smaller. MAX_AUDIOS clips a request, as max_images images.
-MAX_AUDIOS = 4
-AUDIO_BYTES_PER_SECOND = 48_000 * 2 * 4
-AUDIO_HEADER = 65_536
-
-
-def audio_limit(model) -> int:
-    """The largest audio file a request may send this model, in bytes: 0 when it has no audio model."""
-    encoder = getattr(model, "audio", None)
-    return 0 if encoder is None else int(encoder.max_seconds * AUDIO_BYTES_PER_SECOND) + AUDIO_HEADER
-
-
-def _audios(messages: list[dict], model) -> None:
-    """Replaces each input_audio part by {"type": "audio", "audio": its samples (float32 at 16 kHz)}, decoded
-    once here by the runtime's reader (the runtime takes the samples as they are; its cache is keyed by their full
-    hash), once the request is within every limit: the model hears, the clips' count, where they stand, then each
-    file's format field, base64, size, and its sound (audio, not silent, no longer than the largest bucket)."""
-    found = [
-        (m["content"], i, j, f"messages[{i}].content[{j}]")
-        for i, m in enumerate(messages)
-        if isinstance(m["content"], list)
-        for j, p in enumerate(m["content"])
-        if p["type"] == "input_audio"
-    ]
-    if not found:
-        return
-    encoder = getattr(model, "audio", None)
-    if encoder is None:
-        where = found[0][3]
-        raise APIError(400, f"{where}: this bundle has no audio model (converted without one)", param=where)
-    if len(found) > MAX_AUDIOS:
-        message = f"messages: {len(found)} audio clips, more than the {MAX_AUDIOS} a request may hold"
-        raise APIError(400, message, param="messages")
-    for _, i, _, where in found:
-        why = _no_images_here(messages, i, "audio")
-        if why:
-            raise APIError(400, f"{where}: {why}; send audio in user messages", param=where)
-    limit = audio_limit(model)
-    for content, _, j, where in found:
-        try:
-            data = input_audio_bytes(content[j].get("input_audio"), f"{where}.input_audio")
-            if len(data) > limit:
-                message = f"{where}: the audio file is {len(data)} bytes, more than the limit of {limit}"
-                raise APIError(413, message, param=where, code="audio_too_large")
-            samples = load_audio(data, where, encoder.max_seconds)
-        except AudioError as e:
-            raise APIError(400, str(e), param=where) from None
-        content[j] = {"type": "audio", "audio": samples}
-
-
-def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
-    """The http(s) image URLs of a chat request to fetch before it is checked: none unless remote images are on,
-    the model takes images and the request holds no more than max_images (it is refused otherwise)."""
-    messages = body.get("messages")
-    if not limits.remote_images or getattr(model, "images", None) is None or not isinstance(messages, list):
-        return []
-    urls, images = [], 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                images += 1
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if isinstance(url, str) and url.startswith(("http://", "https://")):
-                    urls.append(url)
-    return urls if images <= limits.max_images else []
-
-
-def _image_file(url, where: str, limits: ImageLimits, fetched: dict) -> bytes:
-    """The file a data: URL holds, or with remote_images the one an http(s) URL served (`fetched`: by URL, None
-    for a failed fetch), within the limits; a remote URL is otherwise refused (never fetched)."""
-    url = url["url"] if isinstance(url, dict) else url
-    try:
-        if limits.remote_images and url.startswith(("http://", "https://")):
-            data = fetched.get(url)
-            if data is None:
-                raise ImageError(f"{where}: {fetch.failure(url)}")
-        else:
-            data = data_url_bytes(url, where)
-        if len(data) > limits.max_image_bytes:
-            message = f"{where}: the image is {len(data)} bytes, more than the limit of {limits.max_image_bytes}"
-            raise APIError(413, message, param=where, code="image_too_large")
-        width, height = _image_size(data, where)
-    except ImageError as e:
-        raise APIError(400, str(e), param=where) from None
-    if width * height > limits.max_image_pixels:
-        message = f"{where}: {width}x{height} pixels, more than the limit of {limits.max_image_pixels}"
-        raise APIError(413, message, param=where, code="image_too_large")
-    return data
-
-
-def _image_size(data: bytes, where: str) -> tuple[int, int]:
-    """(width, height) from the file's header, in an accepted format (images.open_image: decided from the magic
-    number, so no other Pillow plugin sees the bytes; no pixel decoded: the runtime does that, once). The pixel
-    limit is checked by the caller, which answers 413 rather than the runtime's 400."""
-    try:
-        with open_image(io.BytesIO(data), where, max_pixels=sys.maxsize) as img:
-            return img.size
-    except ImageError:
-        raise
-    except Exception as e:  # a header cut short or damaged: SyntaxError, OSError, struct.error...
-        detail = " ".join(str(e).split())
-        raise ImageError(f"{where}: truncated or corrupt header ({type(e).__name__}: {detail})") from None
 
 
 def _tool_calls(calls, where: str) -> list:
@@ -561,23 +350,3 @@ def _choice(build, kw: dict, index: int) -> dict:
     prepared request is used once: its grammar's state follows one output)."""
     kw = {**kw, "seed": choice_seed(kw.get("seed"), index)}
     return kw if build is None else {"request": build(**kw)}
-
-
-_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]")
-
-
-def error_of(exc: BaseException) -> APIError:
-    """The one mapping from an error to a response: a package error by its class's `status`, `code` and
-    `param` (gemma_ane.errors); any other ValueError is the request's (400), anything else the server's.
-    A server error's message stays in the log: it may name the server's files."""
-    if isinstance(exc, APIError):
-        return exc
-    status = exc.status if isinstance(exc, GemmaAneError) else 400 if isinstance(exc, ValueError) else 500
-    code = exc.code if isinstance(exc, GemmaAneError) else None
-    if status >= 500:
-        return APIError(status, "the generation failed; see the server log", type="server_error", code=code)
-    param = exc.param if isinstance(exc, GemmaAneError) else None
-    if isinstance(exc, (ImageError, AudioError)):  # found by the runtime as it decodes: the message names the part
-        part = _PART.match(str(exc))
-        param = part.group(0) if part else "messages"
-    return APIError(status, str(exc), param=param, code=code)

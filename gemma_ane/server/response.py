@@ -10,7 +10,8 @@ import math
 import time
 
 from ..runtime.tokens import TokenBytes
-from .request import APIError, Request, error_of
+from .errors import APIError, error_of
+from .request import Request
 from .worker import END, Echo, Job
 
 
