@@ -282,6 +282,8 @@ def main(argv=None):
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
     d = QUICK if a.quick else E2B
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)  # --dir names where to put them, existing or not
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         root = Path(tmp)
         config = write_sidecars(root, d)
