@@ -157,17 +157,11 @@ def test_too_long_is_refused_before_decoding(monkeypatch):
         audio.load_audio(data, "clip", max_seconds=1)
 
 
-def test_data_url_and_input_audio():
+def test_input_audio():
     data = wav((0.3 * np.sin(np.arange(4000) / 3)).astype(np.float32))
     b64 = base64.b64encode(data).decode()
-    assert audio.data_url_bytes(f"data:audio/wav;base64,{b64}") == data
     assert audio.input_audio_bytes({"data": b64, "format": "wav"}) == data
     cases = [
-        (lambda: audio.data_url_bytes("https://example.com/a.wav"), r"^audio_url: remote audio URLs are not fetched"),
-        (lambda: audio.data_url_bytes("data:audio/wav," + b64), r"^audio_url: the data: URL must be base64-encoded"),
-        (lambda: audio.data_url_bytes("data:audio/wav;base64,@@"), r"^audio_url: the data: URL is not valid base64"),
-        (lambda: audio.data_url_bytes("/tmp/a.wav"), r"^audio_url: expected a data: URL \(data:audio/wav;base64"),
-        (lambda: audio.data_url_bytes(5), r"^audio_url: expected a URL string, not int$"),
         (lambda: audio.input_audio_bytes({"data": b64, "format": "aiff"}), r"^input_audio.format: 'aiff' is not one"),
         (lambda: audio.input_audio_bytes({"format": "wav"}), r"^input_audio.data: expected a base64 string, not None"),
         (

@@ -124,20 +124,6 @@ def _checked(x: np.ndarray, name: str, max_seconds: float) -> np.ndarray:
     return x
 
 
-def data_url_bytes(url, what: str = "audio_url") -> bytes:
-    """The bytes of a `data:` URL (base64). Remote URLs are refused: the runtime fetches nothing for a caller."""
-    if not isinstance(url, str):
-        raise AudioError(f"{what}: expected a URL string, not {type(url).__name__}")
-    if url.startswith(("http://", "https://")):
-        raise AudioError(f"{what}: remote audio URLs are not fetched; send the audio as a data: URL (base64)")
-    head, comma, data = url.partition(",")
-    if not url.startswith("data:") or not comma:
-        raise AudioError(f"{what}: expected a data: URL (data:audio/wav;base64,...), got {url[:40]!r}")
-    if not head.endswith(";base64"):
-        raise AudioError(f"{what}: the data: URL must be base64-encoded ({head[:40]!r} says otherwise)")
-    return _b64(data, what, "the data: URL is ")
-
-
 def input_audio_bytes(part, what: str = "input_audio") -> bytes:
     """The bytes of an OpenAI `input_audio` content part's object, `{"data": BASE64, "format": "wav"}`. The
     format is checked against the names OpenAI uses; the decoder then reads the bytes by their content."""
