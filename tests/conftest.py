@@ -28,6 +28,7 @@ CONVERTING = {
     "bundle4",
     "gqa16",
     "e4b_bundle16",
+    "e2b_full16",
 }
 
 
@@ -192,6 +193,18 @@ def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
         _convert_fresh(tiny_e2b, d / "bundle", bits=16, layout="published", force=True)
 
     return built_once(tmp_path_factory, "published", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def e2b_full16(pair, tmp_path_factory) -> Path:
+    """e2b-mini with its drafter and its vision model (70 soft tokens), 16 bits, a context of 256, the default three
+    chunks: tests/bundle_hashes.py's e2b-mini-16bit case as it converts it (force=True, a fresh process, the audio
+    option left at its default), so test_byte_identity hashes it and test_nchunks compares its 4 and 6 chunks to it."""
+    ckpt, asst = pair
+    options = dict(bits=16, context=256, vision=True, image_tokens=70, audio=True, assistant=str(asst), force=True)
+    return (
+        built_once(tmp_path_factory, "e2b_full16", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
+    )
 
 
 @pytest.fixture(scope="session")

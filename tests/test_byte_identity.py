@@ -31,11 +31,19 @@ def test_the_published_bundle_is_byte_identical(tiny_published, tiny_e2b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["e2b-mini-4bit", "e2b-mini-16bit"])
+def test_the_full_16_bit_bundle_is_byte_identical(e2b_full16, pair):
+    """conftest's e2b_full16 is the e2b-mini-16bit case (drafter, vision model), converted in a fresh process:
+    hashed where it lies (test_nchunks reads it too), not converted again."""
+    ckpt, asst = pair
+    assert differences(file_hashes(e2b_full16, {"<CKPT>": ckpt, "<ASSISTANT>": asst}), "e2b-mini-16bit") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["e2b-mini-4bit"])
 def test_bundles_are_byte_identical(case, tmp_path):
-    """The published layout, and e2b-mini with its drafter and vision model at 4 and 16 bits, converted in a fresh
-    process (tests/bundle_hashes.py): an earlier test in this worker that installed the Core ML stand-in leaves
-    coremltools' state changed, which changes a saved model.mlmodel."""
+    """e2b-mini with its drafter and vision model at 4 bits, converted in a fresh process (tests/bundle_hashes.py):
+    an earlier test in this worker that installed the Core ML stand-in leaves coremltools' state changed, which
+    changes a saved model.mlmodel."""
     run = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "bundle_hashes.py"), str(tmp_path), case],
         capture_output=True,

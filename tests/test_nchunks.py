@@ -238,11 +238,15 @@ def _bundle(factory, name, ckpt, split, **options):
 
 
 @pytest.fixture(scope="module")
-def e2b_bundles(pair, tmp_path_factory):
-    """e2b-mini with its drafter and its vision model at 3, 4 and 6 chunks (fp16 weights, 70 soft tokens)."""
+def e2b_bundles(pair, e2b_full16, tmp_path_factory):
+    """e2b-mini with its drafter and its vision model at 3, 4 and 6 chunks (fp16 weights, 70 soft tokens): the
+    three-chunk bundle is conftest's (SPLITS' 3 is the default split, K the default draft count)."""
     ckpt, asst = pair
     options = {"assistant": str(asst), "draft_tokens": K, "vision": True, "image_tokens": 70}
-    return ckpt, {n: _bundle(tmp_path_factory, f"e2b{n}", ckpt, s, **options) for n, s in SPLITS["e2b-mini"].items()}
+    more = {
+        n: _bundle(tmp_path_factory, f"e2b{n}", ckpt, s, **options) for n, s in SPLITS["e2b-mini"].items() if n != 3
+    }
+    return ckpt, {3: e2b_full16, **more}
 
 
 @pytest.fixture(scope="module")
