@@ -249,7 +249,7 @@ def test_logprobs_only_when_asked(model):
         ("top_k", -1),
         ("min_p", 2),
         ("repetition_penalty", 0),
-        ("seed", -1),
+        ("seed", 2**63),  # a signed 64-bit integer: -1 is valid, as OpenAI takes it
         ("logprobs", 100),
     ],
 )
