@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record, tiny_bundle  # noqa: E402
-from server_load import start_server  # noqa: E402
+from server_load import start_server, stop_server  # noqa: E402
 
 # a multiple-choice task lm-eval scores by the loglikelihood of each choice after the question
 CHOICE = [
@@ -151,13 +150,7 @@ def main(argv=None) -> int:
                 print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
                 return 1
             finally:
-                if proc is not None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_server(proc)
             # uvicorn's access log: a request the server answered with an error
             log_lines = (tmp / "server.log").read_text(errors="replace").splitlines()
             refused = [line for line in log_lines if 'HTTP/1.1" 4' in line or 'HTTP/1.1" 5' in line]

@@ -33,6 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen | None) -> None:
+    """Stop a server start_server began (None: it never started): politely, then for good after 30 s."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def start_server(bundle: Path, backend: str, clients: int, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     # the queue holds every client's request but the running one: none is refused
@@ -139,13 +151,7 @@ def main(argv=None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             finally:
-                if proc is not None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_server(proc)
 
     lat = sorted(latencies)
     name = "e2b-mini (quick)" if a.quick and not a.bundle else bundle.name
