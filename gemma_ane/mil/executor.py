@@ -1,6 +1,6 @@
 """The MIL executor: runs a saved ML Program's functions with numpy, as Core ML would run them.
 
-It stands on the saved artifact alone (read by `package.py`, through coremltools' own loaders) and
+It stands on the saved artifact alone (read by `package.py`, through our reader `program.py`) and
 never imports our graph code: what it executes is what Core ML will load, not what we meant to
 write. `MILModel` mirrors coremltools' MLModel for one function; `MILPackage` loads every function
 of a package together, as Core ML loads a multifunction package.
@@ -8,7 +8,6 @@ of a package together, as Core ML loads a multifunction package.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections import defaultdict
 from enum import Enum
@@ -73,10 +72,8 @@ class _Aliases:
     """
 
     def __init__(self, fn, ops: list):
-        from coremltools.converters.mil.mil import types
-
         self.ops, self.last_use = ops, _last_uses(fn, ops)
-        self.root = {n: (Root.STATE if types.is_state(v.sym_type) else Root.INPUT, n) for n, v in fn.inputs.items()}
+        self.root = {n: (Root.STATE if v.state else Root.INPUT, n) for n, v in fn.inputs.items()}
         self.held = {n: r for n, r in self.root.items() if r[0] is Root.STATE}  # state -> the buffer it holds
         self.members = defaultdict(list)  # buffer -> the vars ops rooted there
         self.inplace, self.adopt = set(), set()  # op indices
@@ -297,7 +294,10 @@ class MILModel:
             consts[s] = None
         self.step_kinds = [op.op_type for _, op in run]  # op type of each step, for profiling
         # what strict mode checks after each step: the op and the float slots it wrote
-        self._written = [(op, [slots[o.name] for o in op.outputs if var_dtype(o).kind == "f"]) for _, op in run]
+        # (names, not the ops: a step must not keep the loaded program alive)
+        self._written = [
+            ((op.name, op.op_type), [slots[o.name] for o in op.outputs if var_dtype(o).kind == "f"]) for _, op in run
+        ]
         self._consts = consts
         self._inputs = {n: slots[n] for n in fn.inputs if aliases.root[n][0] is Root.INPUT}
         self._stateful = any(r[0] is Root.STATE for n, r in aliases.root.items() if n in fn.inputs)
@@ -423,12 +423,12 @@ class MILModel:
         }
 
     def _check_finite(self, i: int, env: list) -> None:
-        op, written = self._written[i]
+        (name, op_type), written = self._written[i]
         for s in written:
             if not np.isfinite(env[s]).all():
                 bad = "NaN" if np.isnan(env[s]).any() else "inf"
                 raise ExecutionError(
-                    f"{self.function_name}: op {op.name} ({op.op_type}) produced {bad} in {env[s].dtype} (strict mode)"
+                    f"{self.function_name}: op {name} ({op_type}) produced {bad} in {env[s].dtype} (strict mode)"
                 )
 
 
@@ -441,10 +441,9 @@ class MILPackage:
         loader = _Loader(path, precision, strict)
         self.package, self.path = loader.package, loader.package.path
         self.functions = {f: MILModel._from_loader(loader, f) for f in self.package.function_names}
-        # The loaded program (every function's fp16 weights: GBs at E2B size) is garbage now, but
-        # pymil's ops and vars form reference cycles: collect it before the next package loads.
-        del loader
-        gc.collect()
+        # The loaded program (its constants: GBs of unpacked weights at E2B size) is garbage now: freed
+        # at once, before the next package loads, when its reference cycles are broken.
+        loader.program.unlink()
 
     def make_state(self) -> MILState | None:
         first = next(iter(self.functions.values()))

@@ -6,33 +6,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DeviceError
+from .program import NP_DTYPES
 
 
 class ExecutionError(DeviceError, ValueError):
     """A program or an input the executor refuses; the message names the op, input or function."""
 
 
-def np_dtype(builtin):
-    from coremltools.converters.mil.mil import types
-
-    if builtin is types.fp16:
-        return np.dtype(np.float16)
-    if builtin is types.fp32:
-        return np.dtype(np.float32)
-    if builtin is types.fp64:
-        return np.dtype(np.float64)
-    if builtin is types.bool:
-        return np.dtype(bool)
-    return np.dtype(types.nptype_from_builtin(builtin))
-
-
 def var_dtype(var):
-    from coremltools.converters.mil.mil import types
-
-    t = var.sym_type
-    if types.is_state(t):
-        t = t.wrapped_type()
-    return np_dtype(t.get_primitive() if types.is_tensor(t) else t)
+    """The numpy dtype of a program's var (of the tensor a state wraps)."""
+    return NP_DTYPES[var.dtype]
 
 
 def f32(a):

@@ -1,8 +1,8 @@
 """Reading saved ML Programs: a package's interface, its MIL program, and the static costs of a
-function, through coremltools' own protobuf and milproto loaders (which work on any OS).
+function, through our own reader (`program.py`: protobuf and numpy, no coremltools package).
 
 This stands on the saved artifact alone and never imports our graph code: what it reports is what
-Core ML will load, not what we meant to write. Executing a program is `mil.py`'s job.
+Core ML will load, not what we meant to write. Executing a program is `executor.py`'s job.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import BundleError
 from ..files import tree_size
+from .program import BITS, BlobError, ProgramError, pb2, read_program, read_spec
 
 
 class PackageError(BundleError):
@@ -26,8 +27,7 @@ _DTYPES = {"FLOAT16": "float16", "FLOAT32": "float32", "INT32": "int32", "DOUBLE
 def tensor_type(feature_type) -> dict:
     """{"shape": [ints], "dtype": numpy dtype name} of a model description's FeatureType: a
     multi-array, or the array a StateType wraps."""
-    from coremltools.proto import FeatureTypes_pb2
-
+    FeatureTypes_pb2 = pb2("FeatureTypes_pb2")
     t = feature_type
     arr = t.stateType.arrayType if t.WhichOneof("Type") == "stateType" else t.multiArrayType
     dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType)
@@ -44,8 +44,6 @@ class Package:
 
     @classmethod
     def open(cls, path: str | Path) -> Package:
-        import coremltools as ct
-
         path = Path(path)
         if path.suffix == ".mlmodelc":
             raise PackageError(
@@ -55,8 +53,10 @@ class Package:
         if not (path / "Manifest.json").is_file():
             raise PackageError(f"{path}: not an .mlpackage (no Manifest.json)")
         try:
-            spec = ct.utils.load_spec(str(path))
-        except Exception as e:  # protobuf's errors are not one-line friendly
+            spec = read_spec(path)
+        except ProgramError as e:
+            raise PackageError(f"{path}: {e}") from None
+        except Exception as e:  # protobuf's, json's and the file system's errors are not one-line friendly
             raise PackageError(f"{path}: unreadable model spec ({type(e).__name__})") from None
         if spec.WhichOneof("Type") != "mlProgram":
             raise PackageError(f"{path}: not an ML Program")
@@ -88,17 +88,13 @@ class Package:
         }
 
     def program(self):
-        """The pymil Program (all functions); weight files are read as ops are loaded."""
-        from coremltools.converters.mil.frontend.milproto.load import load
-
+        """The MIL program (all functions, `program.Program`), its constants read from the weight file."""
         try:
-            return load(self.spec, self.spec.specificationVersion, str(self.weights_dir))
-        except (RuntimeError, ValueError, IndexError, OSError) as e:
-            # the blob reader's: "Invalid sentinel in blob_metadata", "index out of bounds", a reshape
-            # that does not fit: a damaged weight file, which the spec (read at open) does not cover
-            raise PackageError(
-                f"{self.path}: weight file damaged ({str(e).rstrip('.')}); re-convert or run gemma-ane check"
-            ) from None
+            return read_program(self.spec, self.weights_dir)
+        except BlobError as e:  # a damaged weight file, which the spec (read at open) does not cover
+            raise PackageError(f"{self.path}: weight file damaged ({e}); re-convert or run gemma-ane check") from None
+        except ProgramError as e:
+            raise PackageError(f"{self.path}: unreadable program ({e})") from None
 
     def size_bytes(self) -> int:
         return tree_size(self.path)
@@ -108,12 +104,7 @@ class Package:
 
 
 def _bits(var) -> int:
-    from coremltools.converters.mil.mil import types
-
-    dtype = var.dtype
-    if types.is_tensor(var.sym_type):
-        dtype = var.sym_type.get_primitive()
-    return dtype.get_bitwidth() if hasattr(dtype, "get_bitwidth") else 32
+    return BITS.get(var.dtype, 32)  # bool (no bit width in MIL's types) counted as 32, as before
 
 
 def weight_bytes(function) -> int:

@@ -13,12 +13,11 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from coremltools.converters.mil.mil import types
-from coremltools.converters.mil.mil.types.symbolic import any_symbolic
 
 from ..bundle import chunk_paths, host, layout
 from ..files import read_json
 from ..mil.package import Package
+from ..mil.program import BITS
 
 LARGE = 4096  # elements: a "large" tensor (8 KiB in fp16); our threshold, not a published one
 INDEX_SMALL = 64  # elements: int compute up to this size is index bookkeeping; ours too
@@ -69,7 +68,11 @@ _GATHERS = {"gather", "gather_nd", "gather_along_axis"}
 
 
 def _dtype(var) -> str:
-    return types.builtin_to_string(var.dtype)
+    return var.dtype
+
+
+def _symbolic(shape) -> bool:
+    return any(d is None for d in shape)  # the reader's unknown dimension
 
 
 def _is_int(var) -> bool:  # int32, int64, uint*, bool
@@ -81,7 +84,7 @@ def _desc(var) -> str:
 
 
 def _size(var) -> int:
-    return 0 if any_symbolic(var.shape) else int(np.prod(var.shape))
+    return 0 if _symbolic(var.shape) else int(np.prod(var.shape))
 
 
 def _is_weight(op) -> bool:
@@ -116,7 +119,7 @@ def check_rank(fn):
 
 def check_static(fn):
     for op_type, name, v in _activations(fn):
-        if any_symbolic(v.shape):
+        if _symbolic(v.shape):
             yield V, op_type, name, f"symbolic shape {_desc(v)}"
 
 
@@ -152,7 +155,7 @@ def check_int(fn):
 
 def check_last_axis(fn):
     for op_type, name, v in _activations(fn):
-        bits = getattr(v.dtype, "get_bitwidth", lambda: 8)()  # bool has no bit width: a byte
+        bits = BITS.get(v.dtype, 8)  # bool has no bit width: a byte
         if v.shape and _size(v) >= LARGE and v.shape[-1] * bits < LAST_AXIS_BYTES * 8:
             last = v.shape[-1]
             yield V, op_type, name, f"last axis {last}{' (singleton)' if last == 1 else ''}: {_desc(v)}"
