@@ -426,3 +426,25 @@ def test_a_missing_weight_file_is_one_line(saved, tmp_path):
     (pkg / WEIGHTS / "weight.bin").unlink()
     with pytest.raises(PackageError, match=r"c.mlpackage: weight file damaged \(No such file or directory reading "):
         Package.open(pkg).program()
+
+
+def test_a_name_the_reader_makes_never_takes_one_the_file_gives(tmp_path):
+    """A write_state's op has no name in the file, and coremltools' builder numbers one per process: a program saved
+    in a process that had counted further holds vars named as a fresh count would name that op."""
+
+    @mb.program(
+        input_specs=[mb.StateTensorSpec(shape=(1, 4), dtype=FP16), mb.TensorSpec(shape=(1, 4), dtype=FP16)],
+        opset_version=IOS18,
+    )
+    def prog(acc, x):
+        doubled = mb.mul(x=x, y=np.float16(2), name="coreml_update_state_0")
+        mb.coreml_update_state(state=acc, value=mb.add(x=mb.read_state(input=acc), y=x))
+        return mb.add(x=doubled, y=np.float16(1), name="y")
+
+    path = save(prog, tmp_path / "named.mlpackage")
+    fn = Package.open(path).program().functions["main"]
+    update = next(op for op in fn.operations if op.op_type == "coreml_update_state")
+    assert update.name == "coreml_update_state_1"
+    model = MILModel(path)
+    x = np.array([[1, 2, 3, 4]], np.float16)
+    np.testing.assert_array_equal(model.predict({"x": x}, state=model.make_state())["y"], 2 * x + 1)

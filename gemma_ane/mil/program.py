@@ -348,15 +348,18 @@ def _const(value, blobs: _Blobs) -> tuple[object, str, tuple]:
 
 
 class _Reader:
-    def __init__(self, blobs: _Blobs):
-        self.blobs = blobs
+    def __init__(self, blobs: _Blobs, taken: set):
+        self.blobs, self.taken = blobs, taken  # taken: every name the file gives a var
         self.vars: dict[str, Var] = {}  # every var by name, as the milproto loader keeps them
         self.counts: dict[str, int] = {}
 
     def _fresh(self, base: str) -> str:
         """A name for what the file leaves unnamed, as coremltools' builder makes one (`base`_N, N counted from 0
-        per base through the program: its count is per process, so only a first load in a process has these)."""
+        per base through the program: its count is per process, so only a first load in a process has these), and
+        never one the file gives another var: the ops writing this program were named by such a count too."""
         n = self.counts.get(base, 0)
+        while f"{base}_{n}" in self.taken or f"{base}_{n}" in self.vars:
+            n += 1
         self.counts[base] = n + 1
         return f"{base}_{n}"
 
@@ -444,7 +447,10 @@ def read_spec(package: Path):
 
 def read_program(spec, weights: Path) -> Program:
     """Every function of an ML Program spec, its constants read from the weight files in `weights`."""
-    reader, functions = _Reader(_Blobs(weights)), {}
+    blocks = [fn.block_specializations.get(fn.opset) for fn in spec.mlProgram.functions.values()]
+    taken = {o.name for block in blocks if block is not None for op in block.operations for o in op.outputs}
+    taken |= {i.name for fn in spec.mlProgram.functions.values() for i in fn.inputs}
+    reader, functions = _Reader(_Blobs(weights), taken), {}
     for name, fn in spec.mlProgram.functions.items():
         try:
             functions[name] = reader.function(fn)
