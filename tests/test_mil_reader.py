@@ -352,14 +352,21 @@ assert out["out"].shape == (1, 4)
     run_child(CHILD.format(load=run_executor), saved["multi"])
 
 
-def test_with_coremltools_imported_first_its_modules_are_used(saved):
+@pytest.mark.parametrize("protos", ["1", "0"])
+def test_with_coremltools_imported_first_its_modules_are_used(saved, protos, monkeypatch):
+    """Imported first, coremltools is left in place: its pb2 modules are used, imported through it when its
+    proto package did not import them (IMPORT_COREMLTOOLS_PROTO=0)."""
+    monkeypatch.setenv("IMPORT_COREMLTOOLS_PROTO", protos)
     code = """
 import sys
 import coremltools
 from gemma_ane.mil.package import Package
 Package.open(sys.argv[1]).program()
 from gemma_ane.mil import program
-assert program.pb2("Model_pb2") is coremltools.proto.Model_pb2 and sys.modules["coremltools"] is coremltools
+assert sys.modules["coremltools"] is coremltools, "coremltools was taken out of sys.modules"
+assert program.pb2("Model_pb2") is sys.modules["coremltools.proto.Model_pb2"]
+from coremltools.proto import Model_pb2
+assert program.pb2("Model_pb2") is Model_pb2
 print("OK")
 """
     run_child(code, saved["multi"])
@@ -444,7 +451,7 @@ def test_a_name_the_reader_makes_never_takes_one_the_file_gives(tmp_path):
     path = save(prog, tmp_path / "named.mlpackage")
     fn = Package.open(path).program().functions["main"]
     update = next(op for op in fn.operations if op.op_type == "coreml_update_state")
-    assert update.name == "coreml_update_state_1"
+    assert update.name == "coreml_update_state_0" and update.outputs[0].name == "coreml_update_state_0_1"
     model = MILModel(path)
     x = np.array([[1, 2, 3, 4]], np.float16)
     np.testing.assert_array_equal(model.predict({"x": x}, state=model.make_state())["y"], 2 * x + 1)

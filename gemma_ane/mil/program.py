@@ -355,13 +355,18 @@ class _Reader:
 
     def _fresh(self, base: str) -> str:
         """A name for what the file leaves unnamed, as coremltools' builder makes one (`base`_N, N counted from 0
-        per base through the program: its count is per process, so only a first load in a process has these), and
-        never one the file gives another var: the ops writing this program were named by such a count too."""
+        per base through the program: its count is per process, so only a first load in a process has these)."""
         n = self.counts.get(base, 0)
-        while f"{base}_{n}" in self.taken or f"{base}_{n}" in self.vars:
-            n += 1
         self.counts[base] = n + 1
         return f"{base}_{n}"
+
+    def _unique(self, name: str) -> str:
+        """`name`, or `name`_N if the file gives a var that name: the ops writing this program were named by such a
+        count too, and two vars of one name would share the executor's slot."""
+        n, found = 1, name
+        while found in self.taken or found in self.vars:
+            found, n = f"{name}_{n}", n + 1
+        return found
 
     def _bind(self, op_type: str, name: str, param: str, argument, ops: list) -> Var | list:
         out = []
@@ -396,7 +401,7 @@ class _Reader:
             self._add(Op("const", name, inputs, [Var(spec.outputs[0].name, dtype, shape, val=val)]), ops)
         elif spec.type == "write_state":
             value = inputs["data"]
-            out = Var(name, value.dtype, value.shape)
+            out = Var(self._unique(name), value.dtype, value.shape)
             self._add(Op("coreml_update_state", name, {"state": inputs["input"], "value": value}, [out]), ops)
         elif spec.type == "read_state" and ops and ops[-1].op_type == "coreml_update_state":
             previous, out = ops[-1], spec.outputs[0].name
