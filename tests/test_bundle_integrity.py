@@ -171,7 +171,8 @@ def test_the_published_layout_is_not_verifiable(tiny_published, capsys):
 def test_a_damaged_weight_header_is_one_line_naming_the_chunk(copy, capsys):
     b = copy()
     flip(b / "chunk_2.mlpackage" / WEIGHTS, 64)  # the first blob's sentinel
-    want = f"{b / 'chunk_2.mlpackage'}: weight file damaged (Invalid sentinel in blob_metadata); re-convert"
+    damage = "Invalid sentinel in blob_metadata at byte 64 of weights/weight.bin"
+    want = f"{b / 'chunk_2.mlpackage'}: weight file damaged ({damage}); re-convert"
     with pytest.raises(PackageError, match=r"weight file damaged \(Invalid sentinel"):
         gemma_ane.load(b, backend="mil")
     for command in (["generate", str(b), "-p", "Hi", "--backend", "mil"], ["inspect", str(b)]):

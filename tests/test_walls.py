@@ -119,11 +119,20 @@ def test_executor_stands_on_the_saved_program_alone():
             "gemma_ane.mil",
             "gemma_ane.mil.package",
             "gemma_ane.mil.ops",
+            "gemma_ane.mil.program",
             "gemma_ane.files",
             "gemma_ane.errors",
         }  # errors: none of ours
         assert ours <= allowed, f"{module}.py imports {sorted(ours)}"
     assert not {m for m in imports("errors") if m.startswith("gemma_ane.")}
+
+
+def test_the_runtime_side_imports_coremltools_only_for_core_ml():
+    """Saved programs are read by our own reader (mil/program.py: coremltools' generated protobuf modules, loaded
+    without its package): coremltools itself is imported only where Core ML runs a model, runtime/backend.py's
+    macOS path. (test_mil_reader runs a bundle in a fresh process and finds no coremltools package imported.)"""
+    users = {m for m in RUNTIME if "coremltools" in imports(m)}
+    assert users == {"runtime.backend"}, sorted(users)
 
 
 def test_transformers_is_imported_only_by_the_oracle_side():
