@@ -77,7 +77,15 @@ def linear_program(weights: dict):
     return prog
 
 
-def test_the_pass_stores_block_weights_keeps_matches_and_skips_what_does_not_divide():
+def saved_main(prog, path: Path):
+    """A program's main function as saved and read back (the package reader reads saved programs only)."""
+    ct.convert(prog, minimum_deployment_target=iOS18, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True).save(
+        str(path)
+    )
+    return Package.open(path).program().functions["main"]
+
+
+def test_the_pass_stores_block_weights_keeps_matches_and_skips_what_does_not_divide(tmp_path):
     weights = {
         "layers_0_q_proj_weight": grid_weight(128, 128, 0),  # blocks of 32 inputs: block int4
         "layers.0.o_proj.weight": grid_weight(128, 128, 1),  # kept by --keep, named as traced
@@ -102,9 +110,9 @@ def test_the_pass_stores_block_weights_keeps_matches_and_skips_what_does_not_div
     # on the grid: the stored integers and scales give the weight back bit for bit
     q, scale = block.data.val.astype(np.int8), block.scale.val
     np.testing.assert_array_equal(dequantize_blockwise(q, scale), weights["layers_0_q_proj_weight"].astype(np.float32))
-    assert weight_formats(fn) == {
+    assert weight_formats(saved_main(prog, tmp_path / "p.mlpackage")) == {
         "formats": {"block int4 / 32 inputs": 2, "fp16": 1},
-        "fp16": ["layers.0.o_proj.weight"],
+        "fp16": ["layers_0_o_proj_weight"],  # as saved
     }
 
 
@@ -113,12 +121,13 @@ def test_the_lut_pass_is_the_default_and_inspect_and_the_audit_name_each_form(tm
     lut, block = linear_program(w), linear_program(w)
     _palettize_pass(ConvertOptions(), {}, set())(lut)
     _palettize_pass(ConvertOptions(quant="block", bits=8), {}, set())(block)
-    assert weight_formats(lut.functions["main"])["formats"] == {"lut 4-bit / 32 rows": 2}
     for name, prog in (("lut", lut), ("block", block)):
         model = ct.convert(
             prog, minimum_deployment_target=iOS18, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True
         )
         model.save(str(tmp_path / name / "chunk_1.mlpackage"))
+    saved = Package.open(tmp_path / "lut" / "chunk_1.mlpackage").program().functions["main"]
+    assert weight_formats(saved)["formats"] == {"lut 4-bit / 32 rows": 2}
     saved = Package.open(tmp_path / "block" / "chunk_1.mlpackage").program().functions["main"]
     assert weight_formats(saved) == {"formats": {"block int8 / 32 inputs": 2}, "fp16": []}
     # the executor runs the saved block-wise program as the fp16 weights it stores
