@@ -348,8 +348,9 @@ def _const(value, blobs: _Blobs) -> tuple[object, str, tuple]:
 
 
 class _Reader:
-    def __init__(self, blobs: _Blobs, taken: set):
-        self.blobs, self.taken = blobs, taken  # taken: every name the file gives a var
+    def __init__(self, blobs: _Blobs):
+        self.blobs = blobs
+        self.taken: set[str] = set()  # the var names of the function being read: the file's, and those we made
         self.vars: dict[str, Var] = {}  # every var by name, as the milproto loader keeps them
         self.counts: dict[str, int] = {}
 
@@ -361,10 +362,10 @@ class _Reader:
         return f"{base}_{n}"
 
     def _unique(self, name: str) -> str:
-        """`name`, or `name`_N if the file gives a var that name: the ops writing this program were named by such a
-        count too, and two vars of one name would share the executor's slot."""
+        """`name`, or `name`_N if the function has a var of that name (the ops writing this program were named by
+        such a count too): two vars of one name in a function would share the executor's slot."""
         n, found = 1, name
-        while found in self.taken or found in self.vars:
+        while found in self.taken:
             found, n = f"{name}_{n}", n + 1
         return found
 
@@ -421,6 +422,7 @@ class _Reader:
         for o in op.outputs:
             o.op = op
             self.vars[o.name] = o
+            self.taken.add(o.name)
         ops.append(op)
 
     def function(self, spec) -> Function:
@@ -431,6 +433,7 @@ class _Reader:
         if spec.opset not in spec.block_specializations:
             raise ProgramError(f"no block for its opset {spec.opset!r}")
         block, ops = spec.block_specializations[spec.opset], []
+        self.taken = set(inputs) | {o.name for op in block.operations for o in op.outputs}
         for op_spec in block.operations:
             if op_spec.blocks:
                 raise ProgramError(f"op {op_spec.type} has nested blocks (control flow is not read)")
@@ -452,10 +455,7 @@ def read_spec(package: Path):
 
 def read_program(spec, weights: Path) -> Program:
     """Every function of an ML Program spec, its constants read from the weight files in `weights`."""
-    blocks = [fn.block_specializations.get(fn.opset) for fn in spec.mlProgram.functions.values()]
-    taken = {o.name for block in blocks if block is not None for op in block.operations for o in op.outputs}
-    taken |= {i.name for fn in spec.mlProgram.functions.values() for i in fn.inputs}
-    reader, functions = _Reader(_Blobs(weights), taken), {}
+    reader, functions = _Reader(_Blobs(weights)), {}
     for name, fn in spec.mlProgram.functions.items():
         try:
             functions[name] = reader.function(fn)
