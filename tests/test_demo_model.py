@@ -163,3 +163,17 @@ def test_the_converted_demo_bundle_answers(demo_bundle16):
     fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA}}
     r = model.generate("Give the capital of France as JSON.", response_format=fmt, temperature=0)
     assert json.loads(r.text) == {"country": "France", "capital": "Paris"}
+
+
+@pytest.mark.slow
+def test_the_demo_vision_model_passes_the_neural_engine_audit(demo_ckpt, tmp_path):
+    """The demo converts the vision tower and audits every model (`inspect --ane`, scripts/demo.sh step 6): the demo
+    preset's tower is as wide a head as E2B's, so no activation's last axis is under the Neural Engine's 64 bytes."""
+    from gemma_ane.convert import ConvertOptions, StageTimer
+    from gemma_ane.convert.vision import convert_vision
+    from gemma_ane.runtime.audit import audit_package
+
+    package = convert_vision(demo_ckpt, ConvertOptions(bits=16), tmp_path, StageTimer(), image_tokens=70)
+    report = audit_package(package)
+    findings = [f for fn in report["functions"].values() for f in fn["findings"] if f["verdict"] != "note"]
+    assert report["verdict"] == "pass", findings
