@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,24 @@ def test_backend_advice_speaks_to_both_cli_and_python():
         pick_backend("coreml")
     assert "backend='" not in str(e.value)  # Python syntax means nothing to a CLI user
     assert "needs macOS" in str(e.value) and "mil" in str(e.value)
+
+
+E2B_CONFIG = str(Path(__file__).parent / "fixtures" / "e2b_config.json")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["plan", E2B_CONFIG, "--context", "100"], "--context 100: must be at least the sliding window (512)"),
+        (["plan", E2B_CONFIG, "--split", "9,5"], "--split 9,5: boundary 5 does not come after 9; boundaries ascend"),
+        (["generate", "no-bundle", "-p", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0.0"),
+        (["serve", "no-bundle", "--max-images", "-1"], "--max-images -1: must be >= 0"),
+    ],
+)
+def test_errors_name_the_flag_not_the_python_keyword(argv, said, capsys):
+    """The API raises `context=100: ...` (its keyword); a CLI user typed --context, and reads that back."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"gemma-ane {argv[0]}: error: {said}"]
 
 
 # -- progress on the long steps ------------------------------------------------------------------------------------
