@@ -161,3 +161,11 @@ def test_long_steps_say_what_they_do_unless_quiet(name, quiet, capsys, monkeypat
 def test_no_progress_lines_into_a_pipe(capsys, tmp_path):
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert len(capsys.readouterr().err.splitlines()) == 1  # the error alone, as a script reads it
+
+
+@pytest.mark.slow
+def test_convert_names_each_model_without_a_bar(tiny_e2b, tmp_path, capsys):
+    """The chunks have a bar each; the vision model (minutes at E2B's size) says when it starts."""
+    argv = ["convert", str(tiny_e2b), str(tmp_path / "b"), "--bits", "16", "--context", "128", "--functions", "infer"]
+    assert main([*argv, "--image-tokens", "70", "--no-audio"]) == 0
+    assert "convert vision ..." in capsys.readouterr().err.splitlines()
