@@ -18,7 +18,7 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p "$OUT"
 
-step 2 "a tiny Gemma 4 trained to answer (deterministic, ~2 CPU-minutes on one thread): $OUT/ckpt"
+step 2 "a tiny Gemma 4 trained to answer (deterministic, 2-3 CPU-minutes on one thread): $OUT/ckpt"
 gemma-ane tiny "$OUT/ckpt" --preset demo --force
 
 step 3 "the chunk plan: which layers, caches and functions each Core ML chunk gets"
