@@ -169,3 +169,20 @@ def test_convert_names_each_model_without_a_bar(tiny_e2b, tmp_path, capsys):
     argv = ["convert", str(tiny_e2b), str(tmp_path / "b"), "--bits", "16", "--context", "128", "--functions", "infer"]
     assert main([*argv, "--image-tokens", "70", "--no-audio"]) == 0
     assert "convert vision ..." in capsys.readouterr().err.splitlines()
+
+
+def test_the_image_oracle_loads_without_a_bar(tiny_e2b, capfd):
+    """verify --image loads transformers' multimodal model: its own "Loading weights" bar stays out of verify's
+    report, and the caller's setting of transformers' bars is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    from gemma_ane.convert.checkpoint import Checkpoint
+    from gemma_ane.oracle.verify import _oracle_conditional, int8_tables
+
+    ckpt = Checkpoint(tiny_e2b)
+    try:
+        _oracle_conditional(ckpt, int8_tables(ckpt))
+    finally:
+        ckpt.close()
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
