@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,24 @@ def test_backend_advice_speaks_to_both_cli_and_python():
     assert "needs macOS" in str(e.value) and "mil" in str(e.value)
 
 
+E2B_CONFIG = str(Path(__file__).parent / "fixtures" / "e2b_config.json")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["plan", E2B_CONFIG, "--context", "100"], "--context 100: must be at least the sliding window (512)"),
+        (["plan", E2B_CONFIG, "--split", "9,5"], "--split 9,5: boundary 5 does not come after 9; boundaries ascend"),
+        (["generate", "no-bundle", "-p", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0.0"),
+        (["serve", "no-bundle", "--max-images", "-1"], "--max-images -1: must be >= 0"),
+    ],
+)
+def test_errors_name_the_flag_not_the_python_keyword(argv, said, capsys):
+    """The API raises `context=100: ...` (its keyword); a CLI user typed --context, and reads that back."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"gemma-ane {argv[0]}: error: {said}"]
+
+
 # -- progress on the long steps ------------------------------------------------------------------------------------
 
 LONG_STEPS = {
@@ -142,3 +161,28 @@ def test_long_steps_say_what_they_do_unless_quiet(name, quiet, capsys, monkeypat
 def test_no_progress_lines_into_a_pipe(capsys, tmp_path):
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert len(capsys.readouterr().err.splitlines()) == 1  # the error alone, as a script reads it
+
+
+@pytest.mark.slow
+def test_convert_names_each_model_without_a_bar(tiny_e2b, tmp_path, capsys):
+    """The chunks have a bar each; the vision model (minutes at E2B's size) says when it starts."""
+    argv = ["convert", str(tiny_e2b), str(tmp_path / "b"), "--bits", "16", "--context", "128", "--functions", "infer"]
+    assert main([*argv, "--image-tokens", "70", "--no-audio"]) == 0
+    assert "convert vision ..." in capsys.readouterr().err.splitlines()
+
+
+def test_the_image_oracle_loads_without_a_bar(tiny_e2b, capfd):
+    """verify --image loads transformers' multimodal model: its own "Loading weights" bar stays out of verify's
+    report, and the caller's setting of transformers' bars is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    from gemma_ane.convert.checkpoint import Checkpoint
+    from gemma_ane.oracle.verify import _oracle_conditional, int8_tables
+
+    ckpt = Checkpoint(tiny_e2b)
+    try:
+        _oracle_conditional(ckpt, int8_tables(ckpt))
+    finally:
+        ckpt.close()
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -613,7 +613,7 @@ def test_the_command_line_drafts_and_reports_it(bundle16, capsys):
     assert plain.out == drafted.out and "drafts:" not in plain.err
     assert main([*argv, "--backend", "mil", "--draft", str(K + 1)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gemma-ane generate: error: draft_tokens={K + 1}: this bundle verifies at most {K} drafts a call"]
+    assert err == [f"gemma-ane generate: error: --draft {K + 1}: this bundle verifies at most {K} drafts a call"]
 
 
 def test_draft_options_without_a_drafter_are_refused_in_one_line(pair, tmp_path, capsys):

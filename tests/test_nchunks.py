@@ -67,12 +67,12 @@ def test_a_producer_in_an_earlier_chunk_reaches_a_stateful_reader(e2b_config):
 @pytest.mark.parametrize(
     "split, needle",
     [
-        ("25,8", "split=25,8: boundary 8 does not come after 25; boundaries ascend"),
-        ("8,8,25", "split=8,8,25: boundary 8 does not come after 8"),
-        ("0,25", "split=0,25: boundary 0 is outside 1..35"),
-        ("8,25,36", "split=8,25,36: boundary 36 is outside 1..35"),
-        ("8,14", "split=8,14: layer 14 is a KV producer and must precede the stateless last chunk"),
-        ("8,10", "split=8,10: layer 14 is a KV producer and must precede the stateless last chunk"),
+        ("25,8", "--split 25,8: boundary 8 does not come after 25; boundaries ascend"),
+        ("8,8,25", "--split 8,8,25: boundary 8 does not come after 8"),
+        ("0,25", "--split 0,25: boundary 0 is outside 1..35"),
+        ("8,25,36", "--split 8,25,36: boundary 36 is outside 1..35"),
+        ("8,14", "--split 8,14: layer 14 is a KV producer and must precede the stateless last chunk"),
+        ("8,10", "--split 8,10: layer 14 is a KV producer and must precede the stateless last chunk"),
         ("8,x", "--split '8,x': expected layer indices"),
     ],
 )
@@ -85,8 +85,8 @@ def test_bad_splits_name_the_boundary_or_layer(capsys, split, needle):
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--split", "5,13,9"], "split=5,13,9: boundary 9 does not come after 13"),
-        (["--split", "5,9"], "split=5,9: layer 9 is a KV producer and must precede the stateless last chunk"),
+        (["--split", "5,13,9"], "--split 5,13,9: boundary 9 does not come after 13"),
+        (["--split", "5,9"], "--split 5,9: layer 9 is a KV producer and must precede the stateless last chunk"),
         (["--max-chunk-mb", "0.01"], "--max-chunk-mb 0.01: layer 0 with the PLE projection alone needs"),
     ],
 )

@@ -248,5 +248,5 @@ def test_a_phone_bundle_refuses_drafts_in_one_line(phone_bundle, capsys):
     assert rc == 2 and out == ""
     lines = [line for line in err.splitlines() if not line.startswith("warning") and "prompts run" not in line]
     assert lines == [
-        "gemma-ane generate: error: draft_tokens=3: this bundle's chunks carry no verify function to check drafts"
+        "gemma-ane generate: error: --draft 3: this bundle's chunks carry no verify function to check drafts"
     ], err

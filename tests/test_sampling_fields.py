@@ -78,4 +78,4 @@ def test_a_flag_out_of_range_is_refused_before_the_bundle_loads(tmp_path, capsys
 
     assert main(["generate", str(tmp_path / "no-bundle"), "-p", "hi", "--top-p", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["gemma-ane generate: error: top_p=2.0: must be <= 1.0"]
+    assert err.strip().splitlines() == ["gemma-ane generate: error: --top-p 2.0: must be <= 1.0"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import sys
 from pathlib import Path
 
 from .. import __version__
@@ -93,6 +94,8 @@ def convert(
                 for chunk in plan.chunks
             }
             for component in components:
+                if progress:  # a one-function model has no bar of its own; at E2B's size it takes minutes
+                    print(f"convert {component.name} ...", file=sys.stderr, flush=True)
                 sizes[component.name] = component.convert(tmp, timer, compile_)
             with timer("sidecars"):
                 write_sidecars(ckpt, plan, options, tmp, config)

@@ -356,8 +356,17 @@ def _oracle_conditional(ckpt: Checkpoint, tables: dict):
     oracle_model's: their int8 round trip, the head untied."""
     import torch
     from transformers import Gemma4ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
-    model = Gemma4ForConditionalGeneration.from_pretrained(ckpt.root, dtype=torch.float32, attn_implementation="eager")
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would sit among verify's one-line report
+    try:
+        model = Gemma4ForConditionalGeneration.from_pretrained(
+            ckpt.root, dtype=torch.float32, attn_implementation="eager"
+        )
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     lm = model.model.language_model
     head = lm.embed_tokens.weight.detach().clone()
     with torch.no_grad():
