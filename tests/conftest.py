@@ -215,9 +215,14 @@ def demo_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_bundle16(demo_ckpt, tmp_path_factory) -> Path:
-    """The demo checkpoint converted as the demo converts it: 16-bit, a context of 512 (a tool declaration fits)."""
+    """The demo checkpoint converted as the demo converts it: 16-bit, a context of 512 (a tool declaration fits),
+    with its vision model (test_demo_model audits it and proves an image prompt on it)."""
     return (
-        built_once(tmp_path_factory, "demo_bundle16", lambda d: _convert(demo_ckpt, d / "bundle", bits=16, context=512))
+        built_once(
+            tmp_path_factory,
+            "demo_bundle16",
+            lambda d: _convert(demo_ckpt, d / "bundle", bits=16, context=512, vision=True),
+        )
         / "bundle"
     )
 

@@ -166,19 +166,17 @@ def test_the_converted_demo_bundle_answers(demo_bundle16):
 
 
 @pytest.mark.slow
-def test_the_demo_bundle_passes_the_audit_and_the_image_proof(demo_ckpt, tmp_path):
+def test_the_demo_bundle_passes_the_audit_and_the_image_proof(demo_ckpt, demo_bundle16, tmp_path):
     """Converted as scripts/demo.sh converts it (16 bits, context 512, the vision model), the bundle passes
     `inspect --ane` (a tower head of 16 breaks the 64-byte last-axis rule) and `verify --image` keeps the text
     bounds (a head of 64 sharpens this random tower's unscaled attention until fp16 moves the text after a
     picture: min cosine 0.9927)."""
     from PIL import Image
 
-    from gemma_ane.convert import ConvertOptions, convert
     from gemma_ane.oracle.verify import verify_bundle
     from gemma_ane.runtime.audit import audit_bundle
 
-    bundle = tmp_path / "bundle"
-    convert(str(demo_ckpt), str(bundle), ConvertOptions(bits=16, context=512, audio=False), progress=False)
+    bundle = demo_bundle16
     report = audit_bundle(bundle)
     models = report["chunks"] + report["models"]
     assert report["verdict"] == "pass", [(m["name"], m["verdict"]) for m in models]
