@@ -84,7 +84,7 @@ def main() -> int:
         f"median of {len(runs)} fresh process(es)\n\n"
         "| import gemma_ane | load | first token | in all |\n|---|---|---|---|\n"
         f"| {median['import']:.2f} s | {median['load']:.2f} s | {median['token']:.2f} s | {median['total']:.2f} s |\n\n"
-        f"torch, transformers or scikit-learn imported on the way: {imported}"
+        f"torch, transformers, scikit-learn or the coremltools package imported on the way: {imported}"
     )
     publish("Start-up: import, load and one token", body, args)
     return 0
