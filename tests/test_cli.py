@@ -254,8 +254,8 @@ def test_plan_errors_are_one_line(case, capsys, tmp_path, moe_config):
     argv, needles = {
         "missing_path": (["plan", tmp_path / "absent.json"], ["absent.json"]),
         "moe": (["plan", moe_config], ["enable_moe_block"]),
-        "context": (["plan", E2B, "--context", "100"], ["context=100"]),
-        "split_order": (["plan", E2B, "--split", "20,8"], ["split=20,8"]),
+        "context": (["plan", E2B, "--context", "100"], ["--context 100"]),
+        "split_order": (["plan", E2B, "--split", "20,8"], ["--split 20,8"]),
         "split_text": (["plan", E2B, "--split", "x"], ["--split", "'x'"]),
     }[case]
     rc, out, err = run(capsys, *argv)
@@ -266,7 +266,7 @@ def test_plan_errors_are_one_line(case, capsys, tmp_path, moe_config):
 def test_plan_error_in_a_real_process():
     proc = run_process("plan", E2B, "--split", "20,8")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert_one_line_error(proc.stderr, "plan", "split=20,8")
+    assert_one_line_error(proc.stderr, "plan", "--split 20,8")
 
 
 def test_plan_context_is_bounded_by_max_position_embeddings(capsys):
@@ -275,7 +275,7 @@ def test_plan_context_is_bounded_by_max_position_embeddings(capsys):
 
     rc, out, err = run(capsys, "plan", E2B, "--context", "1000000000")
     assert rc == 2 and out == ""
-    assert_one_line_error(err, "plan", "context=1000000000", "max_position_embeddings=131072")
+    assert_one_line_error(err, "plan", "--context 1000000000", "max_position_embeddings=131072")
     rc, out, err = run(capsys, "plan", E2B, "--context", "131072", "--json")  # the bound itself is fine
     assert rc == 0 and json.loads(out)["context"] == 131072
     with pytest.raises(ConfigError, match="max_position_embeddings=131072"):  # the Python API too
@@ -293,7 +293,7 @@ def test_convert_context_beyond_the_model_is_refused(capsys, tiny_e2b, tmp_path)
     # e2b-mini says max_position_embeddings=4096; a bigger context used to die in a torch allocation
     rc, out, err = run(capsys, "convert", tiny_e2b, tmp_path / "out", "--context", "1000000000", "--quiet")
     assert rc == 2 and out == ""
-    assert_one_line_error(err, "convert", "context=1000000000", "max_position_embeddings=4096")
+    assert_one_line_error(err, "convert", "--context 1000000000", "max_position_embeddings=4096")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -878,10 +878,10 @@ def test_bad_flag_values(case, capsys, tiny_e2b, tmp_path):
         "bits": (["--bits", "5"], ["--bits 5"]),
         "bits_text": (["--bits", "four"], ["--bits", "four"]),
         "group_size": (["--group-size", "0"], ["--group-size 0"]),
-        "context_not_32": (["--context", "100"], ["context=100", "32"]),
-        "context_zero": (["--context", "0"], ["context=0"]),
-        "prefill_batch": (["--prefill-batch", "0"], ["prefill_batch=0"]),
-        "split": (["--split", "9,3"], ["split=9,3"]),
+        "context_not_32": (["--context", "100"], ["--context 100", "32"]),
+        "context_zero": (["--context", "0"], ["--context 0"]),
+        "prefill_batch": (["--prefill-batch", "0"], ["--prefill-batch 0"]),
+        "split": (["--split", "9,3"], ["--split 9,3"]),
     }[case]
     out = tmp_path / "out"
     rc, stdout, err = _convert_cli(capsys, tiny_e2b, out, *flags)
@@ -896,7 +896,7 @@ def test_context_smaller_than_the_window(capsys, edited_ckpt, tmp_path):
     out = tmp_path / "out"
     rc, stdout, err = run_cli(capsys, "convert", src, out, "--context", 32, "--quiet")
     assert rc == 2 and stdout == ""
-    assert_one_line_error(err, "context=32", "sliding window", "64")
+    assert_one_line_error(err, "--context 32", "sliding window", "64")
     assert not out.exists() and _partials(tmp_path, "out") == []
 
 

@@ -121,6 +121,7 @@ class Op:
         try:
             return self.__dict__["inputs"][name]
         except KeyError:
+            # internal: the attribute protocol (getattr's default and hasattr catch exactly this)
             raise AttributeError(f"op {self.__dict__.get('name')!r} has no input {name!r}") from None
 
 
