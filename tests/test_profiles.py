@@ -180,7 +180,8 @@ def test_a_prompt_function_one_chunk_lacks_degrades_with_one_warning(tiny_bundle
         warnings.simplefilter("always")
         engine = backend.open_engine(tiny_bundle16, "mil")
         _, logits = engine.prompt(ids)
-    lines = [str(w.message) for w in caught]
+    # a ResourceWarning is another test's object (an unclosed socket) finalised by a collection that ran here
+    lines = [str(w.message) for w in caught if not issubclass(w.category, ResourceWarning)]
     assert lines == ["chunk_2: no function 'prefill_kv_b8'; prompts run without it"], lines
     assert engine.kv_batches == () and engine.prefill_batch == 8 and np.array_equal(logits, expected)
 
