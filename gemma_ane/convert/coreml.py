@@ -142,12 +142,17 @@ def temp_files_in(work: Path):
 
 
 @contextmanager
-def _lean_fp16_overflow():
-    """coremltools 9.0 decides per op whether its fp32 consts fit fp16 with
-    `abs[np.where(abs < 1e38)]`: int64 index arrays twice the size of each weight, ~10 GB for the
-    LM head alone, and ~20 s per function at E2B size. Same answer, in bounded blocks, while
-    converting (load_chunk has already refused weights beyond fp16, so it never says yes here)."""
+def _lean_fp16_pass(scratch=None):
+    """coremltools 9.0's fp16 pass, without its weight-sized temporaries, while converting:
+    - it decides per op whether its fp32 consts fit fp16 with `abs[np.where(abs < 1e38)]`: int64 index arrays twice
+      the size of each weight, ~10 GB for the LM head alone, and ~20 s per function at E2B size. Same answer, in
+      bounded blocks (load_chunk has already refused weights beyond fp16, so it never says yes here);
+    - after casting a const it looks for fp16 underflow only `if len(var.val.flatten()) < 400`: a copy of every
+      weight to learn its size (1.6 GB for the LM head, measured as the converter's peak). The size is asked first;
+    - with `scratch` (a MappedWeights holding the weights) the fp32 weight a cast has just copied is dropped from
+      memory, and so is every page a pass read: the fp32 chunk never sits whole beside its fp16 program."""
     from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
 
     def fp16_overflow(op) -> bool:
         for value in op.inputs.values():
@@ -160,12 +165,32 @@ def _lean_fp16_overflow():
                             return True
         return False
 
-    original = FP16ComputePrecision.__dict__["fp16_overflow"]
+    check_underflow = FP16ComputePrecision._check_underflow_to_zero
+
+    def underflow_then_drop(self, new_var, var):
+        if var.val is not None and np.size(var.val) < 400:  # the original's own condition, size first
+            check_underflow(self, new_var, var)
+        if scratch is not None and isinstance(var.val, np.ndarray) and scratch.holds(var.val):
+            scratch.drop(var.val)
+
+    run_pass = AbstractGraphPass.__call__
+
+    def run_then_drop(self, prog):
+        try:
+            return run_pass(self, prog)
+        finally:
+            scratch.drop()
+
+    originals = (FP16ComputePrecision.__dict__["fp16_overflow"], check_underflow)
     FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
+    FP16ComputePrecision._check_underflow_to_zero = underflow_then_drop
+    if scratch is not None:
+        AbstractGraphPass.__call__ = run_then_drop
     try:
         yield
     finally:
-        FP16ComputePrecision.fp16_overflow = original
+        FP16ComputePrecision.fp16_overflow, FP16ComputePrecision._check_underflow_to_zero = originals
+        AbstractGraphPass.__call__ = run_pass
 
 
 def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
@@ -183,13 +208,16 @@ def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
     examples = tuple(
         torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type) for t in io["inputs"].values()
     )
+    scratch = getattr(model, "scratch", None)  # a chunk whose weights live in a mapped file (load_module)
     with timer("trace"), torch.no_grad(), quiet_coremltools():
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
+    if scratch is not None:
+        scratch.drop()  # the trace read every weight; the conversion reads each again when it needs it
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
         for n, t in chunk.states.items()
     ]
-    with timer("convert"), quiet_coremltools(), _lean_fp16_overflow():
+    with timer("convert"), quiet_coremltools(), _lean_fp16_pass(scratch):
         return ct.convert(
             traced,
             inputs=_tensor_types(io["inputs"], io_float),

@@ -37,10 +37,11 @@ def convert_chunk(
     work = out / coreml.WORK
     work.mkdir(exist_ok=True)
     with timer("load"):
-        # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16
-        # weights to fp32 copies); its consts are then views of these tensors.
+        # fp32, as coremltools' torch frontend builds the program anyway (it promotes fp16 weights to fp32 copies);
+        # its consts are then views of these tensors, which live in a mapped scratch file so that the pages of each
+        # weight go back once its fp16 copy exists (scratch.py).
         try:
-            model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True)
+            model = load_chunk(plan, chunk, ckpt, torch.float32, fp16_range=True, scratch=work / f"{chunk.name}.f32")
         except ValueError as e:
             raise ConvertError(f"{ckpt.root}: {e}") from None
     lut_cache, paths, skipped, kept = coreml.SpilledCache(work / "luts"), {}, set(), set()
@@ -48,8 +49,7 @@ def convert_chunk(
         paths[function] = layout.package_path(work, f"{chunk.name}.{function}")
         prog = coreml.trace_function(model, chunk, function, timer)
         if i == len(chunk.functions) - 1:
-            # The program's fp16 weights are its own now; the fp32 chunk (~4 GB for chunk_3 at
-            # E2B size) would otherwise sit beside palettization's buffers.
+            # The program's fp16 weights are its own now: the scratch file can go.
             del model
             gc.collect()
         coreml.finish_function(prog, options, lut_cache, timer, skipped, paths[function], kept)

@@ -2,11 +2,14 @@
 memory, no random initialisation), given uninitialised CPU memory in the dtype asked for, then every tensor of
 its state dict copied from the checkpoint tensor of its name, that tensor's shape checked against it and its
 values finite (and within fp16 when the program will store fp16). At full size a model is gigabytes: no second
-copy of its weights exists at any point, and a matrix is read in blocks of rows."""
+copy of its weights exists at any point, and a matrix is read in blocks of rows. With `scratch` the weights live
+in a mapped scratch file instead of anonymous memory (scratch.py: the converter gives their pages back while
+coremltools still holds views of them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, CheckpointError
 from ..options import ConvertError
+from ..scratch import MappedWeights
 from .ops import RMSNorm
 
 ROWS = 16384  # rows read at once: the LM head is 1.6 GB in fp32
@@ -44,14 +48,23 @@ def load_module(
     source: Callable[[str], str] = _same,
     skip: Collection[str] = (),
     any_value: tuple[str, ...] = (),
+    scratch: Path | None = None,
 ) -> nn.Module:
     """`build()` on the meta device, filled from `ckpt`: each state-dict entry but `skip`'s (states: not
     weights) from the checkpoint tensor `source(entry)` (checked as `checked_tensor` does; a name ending in one of
     `any_value` may hold any value), then each RMSNorm's non-persistent `sqrt_eps`. The caller sets up its
-    other non-persistent buffers."""
+    other non-persistent buffers. With `scratch`, every tensor is placed in a MappedWeights file created there,
+    kept as `model.scratch`, and each is dropped from memory once filled."""
     with torch.device("meta"):
-        model = build()
-    model = model.to(dtype).to_empty(device="cpu")
+        model = build().to(dtype)
+    mapped = None
+    if scratch is None:
+        model = model.to_empty(device="cpu")
+    else:
+        tensors = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        mapped = MappedWeights(scratch, MappedWeights.size_of(tensors))
+        model = model._apply(mapped.take)  # as to_empty does, with the file's tensors for empty ones
+        model.scratch = mapped
     with torch.no_grad():
         for name, value in model.state_dict().items():  # these share the parameters' storage
             if name in skip:
@@ -66,6 +79,8 @@ def load_module(
                     _check_values(ckpt, src, block, fp16_range)
                 block = torch.from_numpy(block.reshape(-1, rows.shape[1]))
                 rows[start : start + len(block)] = block
+            if mapped is not None:
+                mapped.drop(value.numpy())
         for m in model.modules():  # non-persistent buffers are not in the checkpoint
             if isinstance(m, RMSNorm):
                 m.sqrt_eps.fill_(m.eps**0.5)

@@ -13,6 +13,8 @@ runs on the ANE:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -220,9 +222,12 @@ class ChunkModel(nn.Module):
         return tuple(outs)
 
 
-def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_range: bool = False) -> ChunkModel:
+def load_chunk(
+    plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_range: bool = False, scratch: Path | None = None
+) -> ChunkModel:
     """Build a chunk straight in `dtype` and fill it from a Checkpoint by `load_module` (the LM head is the tied
-    embedding). With fp16_range (conversion: the program stores fp16) a weight beyond fp16 is refused by name."""
+    embedding). With fp16_range (conversion: the program stores fp16) a weight beyond fp16 is refused by name; with
+    `scratch` the weights live in a mapped file there (load_module)."""
     model = load_module(
         lambda: ChunkModel(plan, chunk),
         ckpt,
@@ -230,6 +235,7 @@ def load_chunk(plan: ChunkPlan, chunk: Chunk, ckpt, dtype=torch.float32, fp16_ra
         fp16_range=fp16_range,
         source=lambda name: "embed_tokens.weight" if name == "lm_head.weight" else name,
         skip=chunk.states,
+        scratch=scratch,
     )
     with torch.no_grad():
         model.reset_state()
