@@ -317,6 +317,7 @@ def save_functions(progs, default: str, name: str, options: ConvertOptions, out:
     with timer("merge"), quiet_coremltools(), temp_files_in(work):
         merge_functions(paths, final, default=default)
     shutil.rmtree(work)
+    return_freed_memory()
     if not compile_:
         return final
     with timer("compile"):
@@ -348,12 +349,15 @@ class SpilledCache:
 
 
 def return_freed_memory() -> None:
-    """From now on in this process, glibc hands freed blocks of 1 MiB and more straight back to the system, and
-    what the heap holds free goes back now. By default glibc's mmap threshold rises to the largest block freed (up
+    """Collect reference cycles now (coremltools' programs are full of them: a merge leaves its functions' loaded
+    packages, ~2 GB for E2B's chunk_2, to the next collection, which came while the next chunk was held); from now
+    on in this process glibc hands freed blocks of 1 MiB and more straight back to the system, and what the heap
+    holds free goes back now. By default glibc's mmap threshold rises to the largest block freed (up
     to 32 MiB), after which a converter's weight-sized arrays come from the heap and stay resident once freed:
     measured, a converted chunk's memory outlived it and the next stage started that much higher. glibc cannot
     restore its adaptive threshold, so the setting stays (a fixed threshold only means more mmap calls).
     Elsewhere (macOS, musl) nothing changes."""
+    gc.collect()
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
     import ctypes

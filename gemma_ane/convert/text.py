@@ -62,7 +62,7 @@ def convert_chunk(
     with timer("merge"), coreml.quiet_coremltools(), coreml.temp_files_in(work):
         coreml.merge_functions(paths, package)
     shutil.rmtree(work)
-    coreml.return_freed_memory()  # what the merge freed, before the next chunk loads
+    coreml.return_freed_memory()  # what the merge held, before the next chunk loads
     if not compile_:
         return tree_size(package)
     with timer("compile"):
