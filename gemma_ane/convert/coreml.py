@@ -193,6 +193,29 @@ def _lean_fp16_pass(scratch=None):
         AbstractGraphPass.__call__ = run_pass
 
 
+@contextmanager
+def _dropped_after_use(scratch):
+    """While tracing a chunk whose weights live in `scratch`: each module's own weights leave memory as soon as its
+    forward has run (the trace reads every weight once, layer by layer: the whole fp32 chunk would otherwise be
+    resident at its end). The hook reads addresses only, so the traced graph is the same."""
+    import torch
+
+    if scratch is None:
+        yield
+        return
+
+    def drop(module, args, output):
+        for p in module.parameters(recurse=False):
+            scratch.drop_range(p.data_ptr(), p.numel() * p.element_size())
+
+    handle = torch.nn.modules.module.register_module_forward_hook(drop)
+    try:
+        yield
+    finally:
+        handle.remove()
+        scratch.drop()  # what was read outside a module's forward
+
+
 def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
     """Trace one function of one chunk into an fp16 MIL program (states, CONTRACT §3 I/O names); precision="fp32"
     makes an fp32 one (float inputs and outputs too), the reference a test measures fp16's error against."""
@@ -209,10 +232,8 @@ def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
         torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type) for t in io["inputs"].values()
     )
     scratch = getattr(model, "scratch", None)  # a chunk whose weights live in a mapped file (load_module)
-    with timer("trace"), torch.no_grad(), quiet_coremltools():
+    with timer("trace"), torch.no_grad(), quiet_coremltools(), _dropped_after_use(scratch):
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
-    if scratch is not None:
-        scratch.drop()  # the trace read every weight; the conversion reads each again when it needs it
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
         for n, t in chunk.states.items()

@@ -55,14 +55,17 @@ class MappedWeights:
         return self._base <= address < self._base + len(self._bytes)
 
     def drop(self, array: np.ndarray | None = None) -> None:
-        """Unmap the resident pages of `array` (a view into the file), or of the whole file: the whole pages it
-        covers; the data stays in the file."""
+        """Unmap the resident pages of `array` (a view into the file), or of the whole file."""
         if array is None:
-            start, stop = 0, len(self._bytes)
+            self.drop_range(self._base, len(self._bytes))
         else:
-            begin = array.__array_interface__["data"][0] - self._base
-            start, stop = begin, begin + array.nbytes
+            self.drop_range(array.__array_interface__["data"][0], array.nbytes)
+
+    def drop_range(self, address: int, nbytes: int) -> None:
+        """Unmap the whole pages of [address, address + nbytes) that lie in the file; the data stays in the file."""
+        start = max(address - self._base, 0)
+        stop = min(address - self._base + nbytes, len(self._bytes))
         start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        stop = min(stop, len(self._bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = stop // mmap.PAGESIZE * mmap.PAGESIZE
         if stop > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
