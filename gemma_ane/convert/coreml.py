@@ -20,6 +20,7 @@ from ..bundle import layout
 from .options import ConvertError, ConvertOptions, saved_name
 
 WORK = ".work"  # scratch packages inside the partial bundle, removed once merged
+LARGE_WEIGHT = 64 << 20  # bytes of fp16: a weight worth a garbage collection once palettized (E2B: the LM head)
 
 
 def _register_int_fix() -> None:
@@ -65,25 +66,32 @@ def _palettize_pass(options: ConvertOptions, cache: dict, skipped: set, kept: se
         def apply(self, prog):
             for fn in prog.functions.values():
                 with fn:
-                    for op in list(fn.operations):
-                        self._maybe_palettize(op)
+                    ops = list(fn.operations)
+                    for i in range(len(ops)):
+                        op, ops[i] = ops[i], None  # a replaced const is then held only by its own cycles
+                        if self._maybe_palettize(op) >= LARGE_WEIGHT:
+                            # ... which keep its value until a collection: the LM head's 0.8 GB (E2B) would
+                            # otherwise stay beside every weight palettized after it
+                            del op
+                            gc.collect()
 
-        def _maybe_palettize(self, op):
+        def _maybe_palettize(self, op) -> int:
+            """Replace a linear weight by its compressed form; the bytes of the dense weight replaced (0 if kept)."""
             if op.op_type != "const":
-                return
+                return 0
             var = op.outputs[0]
             val = var.val
             if not isinstance(val, np.ndarray) or val.ndim != 2 or val.size < 2048:
-                return
+                return 0
             if not var.child_ops or any(c.op_type != "linear" or c.weight is not var for c in var.child_ops):
-                return
+                return 0
             if options.kept(op.name):
                 kept.add(saved_name(op.name))
-                return
+                return 0
             if val.shape[1 if block else 0] % group_size:
                 skipped.add(f"{op.name} {val.shape}")
-                return
-            key = hashlib.sha1(np.ascontiguousarray(val, np.float16).tobytes()).hexdigest()
+                return 0
+            key = hashlib.sha1(np.ascontiguousarray(val, np.float16).data).hexdigest()  # no copy, unlike tobytes
             if key not in cache:
                 cache[key] = quantize_blockwise(val, nbits, group_size) if block else kmeans_lut(val, nbits, group_size)
             if block:
@@ -92,10 +100,14 @@ def _palettize_pass(options: ConvertOptions, cache: dict, skipped: set, kept: se
             else:
                 lut, indices = cache[key]
                 new = mb.constexpr_lut_to_dense(
-                    indices=indices.astype(index_dtype), lut=lut, before_op=op, name=op.name + "_palettized"
+                    indices=indices.view(index_dtype),  # the uint-n tag coremltools checks, without a copy
+                    lut=lut,
+                    before_op=op,
+                    name=op.name + "_palettized",
                 )
             op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=var, new_var=new)
             op.enclosing_block.remove_ops([op])
+            return val.nbytes
 
     return PalettizeLinearWeights()
 

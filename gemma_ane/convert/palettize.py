@@ -66,10 +66,15 @@ def kmeans_lut(
             > 0
         )
     per_block = max(1, block_bins // int(present.sum())) * group_size
-    if out > per_block:
-        parts = [_kmeans_block(w16[r : r + per_block], nbits, group_size, max_iter) for r in range(0, out, per_block)]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    return _kmeans_block(w16, nbits, group_size, max_iter)
+    if out <= per_block:
+        return _kmeans_block(w16, nbits, group_size, max_iter)
+    # each block's result written in place: a list of blocks to concatenate would hold the indices twice
+    lut, indices = np.empty((out // group_size, 1, 1 << nbits, 1), np.float16), np.empty((out, cols), np.uint8)
+    for r in range(0, out, per_block):
+        lut[r // group_size : (r + per_block) // group_size], indices[r : r + per_block] = _kmeans_block(
+            w16[r : r + per_block], nbits, group_size, max_iter
+        )
+    return lut, indices
 
 
 def _kmeans_block(w16: np.ndarray, nbits: int, group_size: int, max_iter: int):
