@@ -19,7 +19,7 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p "$OUT"
 
-step 2 "a tiny Gemma 4 trained to answer and to caption four pictures (deterministic, ~3 CPU-minutes, one thread): $OUT/ckpt"
+step 2 "a tiny Gemma 4 trained to answer and to caption four pictures (deterministic, 4-5 CPU-minutes, one thread): $OUT/ckpt"
 gemma-ane tiny "$OUT/ckpt" --preset demo --force
 
 step 3 "the chunk plan: which layers, caches and functions each Core ML chunk gets"
