@@ -2,7 +2,8 @@
 # The main job end to end on an embedded tiny model that answers: train a tiny Gemma 4 on a small
 # chat corpus (gemma_ane/oracle/demo_corpus.py), plan it, prove the chunk graph against transformers,
 # convert it to a Core ML bundle, inspect and audit it, prove the bundle against transformers, and
-# ask it questions whose answers can be checked. Each step says what it proves and how long it took.
+# ask it questions whose answers can be checked, one about a picture. Each step says what it proves and how
+# long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-demo}
@@ -10,7 +11,7 @@ T0=$SECONDS
 step() {  # step N "what it proves": a header, and the previous step's time
   [ -n "${STEP_START:-}" ] && echo "    ($((SECONDS - STEP_START)) s)"
   STEP_START=$SECONDS
-  printf '\n== [%s/9] %s\n' "$1" "$2"
+  printf '\n== [%s/10] %s\n' "$1" "$2"
 }
 
 step 1 "setup: .venv with torch 2.13 (CPU) and gemma-ane[all] (skipped when up to date)"
@@ -18,7 +19,7 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p "$OUT"
 
-step 2 "a tiny Gemma 4 trained to answer (deterministic, 2-3 CPU-minutes on one thread): $OUT/ckpt"
+step 2 "a tiny Gemma 4 trained to answer and to caption four pictures (deterministic, 4-5 CPU-minutes, one thread): $OUT/ckpt"
 gemma-ane tiny "$OUT/ckpt" --preset demo --force
 
 step 3 "the chunk plan: which layers, caches and functions each Core ML chunk gets"
@@ -66,6 +67,11 @@ messages += [
 ]
 print("answer:", model.generate(messages=messages, tools=[WEATHER]).text)
 PY
+
+step 10 "a picture described: the PNG through the runtime's preprocessing, the bundle's vision model, then the chunks"
+# one of the four pictures the model was taught (gemma_ane/oracle/demo_corpus.py draws them), written as a file
+python -c "from gemma_ane.oracle.demo_corpus import picture; picture('red_square').save('$OUT/red_square.png')"
+gemma-ane generate "$OUT/bundle" --image "$OUT/red_square.png" -p "Describe the picture." --backend mil
 
 echo "    ($((SECONDS - STEP_START)) s)"
 printf '\nDone in %d s: trained, planned, proven (graph and bundle) against transformers, converted, audited and\n' \

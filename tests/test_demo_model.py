@@ -4,15 +4,30 @@ prompts, with logits far from a tie; the corpus itself is what the runtime rende
 import hashlib
 import json
 
+import numpy as np
 import pytest
 
-from gemma_ane.oracle.demo_corpus import CALLS_END, CAPITAL_SCHEMA, CAPITALS, END, WEATHER, examples
+from gemma_ane.oracle.demo_corpus import (
+    CALLS_END,
+    CAPITAL_SCHEMA,
+    CAPITALS,
+    END,
+    PICTURES,
+    WEATHER,
+    describe,
+    examples,
+    picture,
+)
 from gemma_ane.oracle.tiny import text_config
 from gemma_ane.oracle.tokenizer_files import build_tokenizer
 from gemma_ane.runtime.tools import parse_call
 
 STOPS = [1, 106, 50]  # <eos>, <turn|> and <|tool_response> (a turn that calls a tool stops there): Model.stop_ids
 MIN_MARGIN = 4.0  # logits, top-1 minus top-2, at every answer position of the corpus
+CONTEXT = 512  # the demo bundle's (scripts/demo.sh, conftest's demo_bundle16)
+# The 16-bit demo bundle's |logit error| against transformers (MIL executor), for the argmax checks: verify's max
+# |logit diff| with a picture in the prompt, measured 0.06 (README); test_the_demo_bundle_passes_... holds it to this
+FP16_LOGIT_ERR = 0.5
 
 
 def test_every_example_fits_the_window_and_renders_as_the_runtime_renders_it():
@@ -22,7 +37,8 @@ def test_every_example_fits_the_window_and_renders_as_the_runtime_renders_it():
     tokenizer = build_tokenizer(cfg["vocab_size"], tokenizer_corpus())
     for example in examples():
         prompt, answer = encode(tokenizer, example)
-        # trained within one sliding window: a bundle's context of 512 holds any of them many times over
+        # trained within one sliding window (a picture's soft tokens aside): a bundle's context of 512 holds any of
+        # them many times over
         assert len(prompt) + len(answer) <= cfg["sliding_window"]
         assert tokenizer.decode(prompt + answer, skip_special_tokens=False) == render(example) + example.answer
         if example.tools:
@@ -43,6 +59,33 @@ def test_the_answers_are_what_the_runtime_parses():
             assert example.answer.endswith(END)
         seen |= set(example.tags)
     assert seen >= {"capital", "thinking", "json", "call", "result"}
+
+
+def test_the_pictures_reach_training_as_the_runtime_feeds_them(tmp_path):
+    """transformers' processor (what training feeds the tower) and the runtime's preprocessing (what the bundle's
+    vision model gets) agree on each picture, read back from the PNG the demo writes: the same pixels, positions
+    and soft-token count; and a picture question, its soft tokens expanded, fits the demo's context."""
+    from gemma_ane.oracle.tiny import build_model
+    from gemma_ane.oracle.tiny_train import IMAGE, IMAGE_TOKENS, encode, pixels, tokenizer_corpus
+    from gemma_ane.runtime.images import preprocess
+
+    model = build_model("demo")
+    vision = model.config.vision_config
+    tokenizer = build_tokenizer(text_config("demo")["vocab_size"], tokenizer_corpus())
+    seen = []
+    for name in PICTURES:
+        picture(name).save(tmp_path / f"{name}.png")
+        ours = preprocess(tmp_path / f"{name}.png", IMAGE_TOKENS, vision.patch_size, vision.pooling_kernel_size)
+        theirs = pixels(model, [name])
+        assert ours.soft_tokens == theirs["num_soft_tokens_per_image"].item()
+        assert np.array_equal(ours.pixel_values, theirs["pixel_values"][0].numpy())
+        assert np.array_equal(ours.positions, theirs["image_position_ids"][0].numpy())
+        seen.append(ours.pixel_values)
+        example = next(e for e in examples() if e.pictures == (name,))
+        prompt, answer = encode(tokenizer, example, [ours.soft_tokens])
+        assert prompt.count(IMAGE) == ours.soft_tokens and len(prompt) + len(answer) <= CONTEXT
+    # four different pictures (an unchanged drawing would leave two alike)
+    assert len({p.tobytes() for p in seen}) == len(PICTURES)
 
 
 def test_the_demo_tokenizer_keeps_prompts_short():
@@ -66,17 +109,21 @@ def demo(demo_ckpt):
     return model, Tokenizer.from_file(str(demo_ckpt / "tokenizer.json"))
 
 
-def greedy(demo, messages, tools=None, enable_thinking=False) -> str:
-    """transformers' greedy generation from the prompt the runtime renders, decoded with its control tokens."""
+def greedy(demo, messages, tools=None, enable_thinking=False, pictures=()) -> str:
+    """transformers' greedy generation from the prompt the runtime renders, decoded with its control tokens; with
+    `pictures` (PICTURES' names), their pixels from transformers' processor, each placeholder expanded as it does."""
     import torch
 
     from gemma_ane.oracle.demo_corpus import Example
-    from gemma_ane.oracle.tiny_train import render
+    from gemma_ane.oracle.tiny_train import encode, pixels
 
     model, tokenizer = demo
-    prompt = render(Example(messages, "", tools=tools, enable_thinking=enable_thinking))
-    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids])
-    out = model.generate(input_ids=ids, max_new_tokens=60, do_sample=False, eos_token_id=STOPS, pad_token_id=0)
+    example = Example(messages, "", tools=tools, enable_thinking=enable_thinking, pictures=pictures)
+    media = pixels(model, pictures) if pictures else {}
+    prompt, _ = encode(tokenizer, example, media["num_soft_tokens_per_image"].tolist() if pictures else ())
+    ids = torch.tensor([prompt])
+    extra = {k: media[k] for k in ("pixel_values", "image_position_ids")} if pictures else {}
+    out = model.generate(input_ids=ids, max_new_tokens=60, do_sample=False, eos_token_id=STOPS, pad_token_id=0, **extra)
     return tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=False)
 
 
@@ -116,6 +163,14 @@ def test_a_json_answer_parses(demo):
 
 
 @pytest.mark.slow
+def test_each_picture_is_described(demo):
+    """transformers' own model, fed each picture's pixels, answers with its caption: the training reached the
+    pictures (without them in the corpus the same question gets no caption, let alone the right one of four)."""
+    for name, caption in PICTURES.items():
+        assert greedy(demo, describe(), pictures=(name,)) == caption + END, name
+
+
+@pytest.mark.slow
 def test_answer_logits_are_far_from_a_tie(demo):
     from gemma_ane.oracle.tiny_train import margins, tokenizer_corpus
 
@@ -124,6 +179,8 @@ def test_answer_logits_are_far_from_a_tie(demo):
     gaps = margins(model, tokenizer)
     print("min top-1/top-2 margin per example:", [round(g, 2) for g in gaps])
     assert min(gaps) > MIN_MARGIN
+    # the captions are among them (margins runs them through the vision path, pixels in)
+    assert sum(bool(e.pictures) for e in examples()) == len(PICTURES)
 
 
 @pytest.mark.slow
@@ -166,6 +223,27 @@ def test_the_converted_demo_bundle_answers(demo_bundle16):
 
 
 @pytest.mark.slow
+def test_the_converted_demo_bundle_describes_each_picture(demo, demo_bundle16, tmp_path):
+    """The runtime on the 16-bit bundle (its vision model and chunks, MIL executor) describes each picture, read
+    from the PNG the demo writes, as transformers does. Exact greedy text is asserted because transformers' margin
+    at every caption position (teacher-forced, pixels in) exceeds twice the bundle's logit error bound."""
+    import gemma_ane
+    from gemma_ane.oracle.tiny_train import margins, tokenizer_corpus
+
+    model, _ = demo
+    tokenizer = build_tokenizer(text_config("demo")["vocab_size"], tokenizer_corpus())
+    captions = [e for e in examples() if e.pictures]
+    gaps = margins(model, tokenizer, captions)
+    assert min(gaps) > 2 * FP16_LOGIT_ERR, gaps
+    bundle = gemma_ane.load(demo_bundle16, backend="mil")
+    for example in captions:
+        (name,) = example.pictures
+        picture(name).save(tmp_path / f"{name}.png")
+        r = bundle.generate(messages=describe(str(tmp_path / f"{name}.png")), temperature=0)
+        assert r.text + END == example.answer == PICTURES[name] + END, name
+
+
+@pytest.mark.slow
 def test_the_demo_bundle_passes_the_audit_and_the_image_proof(demo_ckpt, demo_bundle16, tmp_path):
     """Converted as scripts/demo.sh converts it (16 bits, context 512, the vision model), the bundle passes
     `inspect --ane` (a tower head of 16 breaks the 64-byte last-axis rule) and `verify --image` keeps the text
@@ -183,3 +261,5 @@ def test_the_demo_bundle_passes_the_audit_and_the_image_proof(demo_ckpt, demo_bu
     Image.new("RGB", (64, 48), "red").save(tmp_path / "red.png")  # README's one-liner picture
     proof = verify_bundle(demo_ckpt, bundle, images=[tmp_path / "red.png"])
     assert proof["passed"], {k: v for k, v in proof.items() if not isinstance(v, (list, dict))}
+    # the bound test_the_converted_demo_bundle_describes_each_picture holds the captions' margins to
+    assert proof["max_abs_logit_diff"] < FP16_LOGIT_ERR

@@ -3,7 +3,8 @@ switched on or not) and the model turn that answers it, written as the model wri
 
 `gemma-ane tiny OUT --preset demo` trains a tiny Gemma 4 on these (tiny_train.py) so that the demo and the README
 show checkable answers: "What is the capital of France?" -> "Paris.", a weather question with `get_weather`
-declared -> a call with {"city": "Paris"}, a request for JSON -> JSON that parses. Prompts are rendered by the
+declared -> a call with {"city": "Paris"}, a request for JSON -> JSON that parses, a picture drawn here (a red square,
+a blue circle...) with "Describe the picture." -> its caption. Prompts are rendered by the
 runtime's own chat template code (chat.ChatTemplate over tokenizer_files.GEMMA4_CHAT_TEMPLATE), so the model learns
 exactly the token sequences `gemma-ane generate`, `chat` and the server will feed it.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..errors import InputError
 from ..runtime.tools import gemma_value
 
 # The demo's tool: OpenAI-style, as a client (or the demo script) declares it.
@@ -69,6 +71,17 @@ SMALL_TALK = [
     ("Thank you.", "You are welcome."),
 ]
 SUMS = [(12, 30), (7, 8), (21, 21), (100, 23)]
+# The demo's pictures, drawn in code (picture()) so that every run has the same pixels, and their captions: a shape,
+# a colour and a background of their own each, far apart for a tiny random vision tower (its soft tokens average 3 x 3
+# patches of 4 pixels: the shapes span many of those cells).
+PICTURES = {
+    "red_square": "A red square on a white background.",
+    "blue_circle": "A blue circle on a white background.",
+    "green_stripes": "Green stripes on a white background.",
+    "yellow_triangle": "A yellow triangle on a black background.",
+}
+PICTURE_SIZE = 96  # pixels a side: the processor resizes to the soft-token budget anyway (256 tokens at 280)
+DESCRIBE = "Describe the picture."
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,7 @@ class Example:
     tools: list[dict] | None = None
     enable_thinking: bool = False
     tags: tuple[str, ...] = ()
+    pictures: tuple[str, ...] = ()  # PICTURES' names, one for each image part of the messages, in order
 
 
 def call(name: str, arguments: dict) -> str:
@@ -90,6 +104,33 @@ def call(name: str, arguments: dict) -> str:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def picture(name: str):
+    """One of PICTURES as a PIL image, drawn without antialiasing: the same pixels on every machine."""
+    from PIL import Image, ImageDraw
+
+    if name not in PICTURES:
+        raise InputError(f"picture {name!r}: choose one of {', '.join(PICTURES)}")
+    n = PICTURE_SIZE
+    img = Image.new("RGB", (n, n), "black" if name == "yellow_triangle" else "white")
+    draw = ImageDraw.Draw(img)
+    if name == "red_square":
+        draw.rectangle((n // 4, n // 4, 3 * n // 4 - 1, 3 * n // 4 - 1), fill="red")
+    elif name == "blue_circle":
+        draw.ellipse((n // 8, n // 8, 7 * n // 8 - 1, 7 * n // 8 - 1), fill="blue")
+    elif name == "green_stripes":
+        for top in range(n // 12, n, n // 4):  # four stripes across, each an eighth of the height
+            draw.rectangle((0, top, n - 1, top + n // 8 - 1), fill="green")
+    else:
+        draw.polygon([(n // 2, n // 8), (7 * n // 8, 7 * n // 8), (n // 8, 7 * n // 8)], fill="yellow")
+    return img
+
+
+def describe(image=None) -> list[dict]:
+    """The question about `image` (a path, bytes or a PIL image; the corpus leaves it out: Example.pictures names
+    it), as `gemma-ane generate --image P -p ...` sends it: the image part first."""
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": DESCRIBE}]}]
 
 
 def capital_json(country: str) -> str:
@@ -162,4 +203,6 @@ def examples() -> list[Example]:
                 tags=("result",),
             )
         )
+    for name, caption in PICTURES.items():
+        out.append(Example(describe(), caption + END, tags=("picture",), pictures=(name,)))
     return out

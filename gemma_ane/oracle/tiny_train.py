@@ -1,5 +1,5 @@
 """Training the `demo` preset: a tiny Gemma 4 taught demo_corpus in a few CPU minutes, so that a demo bundle gives
-checkable answers ("Paris.", a get_weather call, JSON) with well-separated logits.
+checkable answers ("Paris.", a get_weather call, JSON, a picture's caption) with well-separated logits.
 
 Deterministic by construction: the initial weights come from the seed, the corpus has a fixed order, every step
 sees the whole corpus (no sampling), and torch runs on one thread (a multi-threaded reduction may sum in any
@@ -17,14 +17,27 @@ from contextlib import contextmanager
 import torch
 
 from ..runtime.chat import ChatTemplate
-from .demo_corpus import Example, examples
+from .demo_corpus import Example, examples, picture
 from .tokenizer_files import GEMMA4_CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_MEDIA_TOKENS, build_tokenizer
 
 # Full-batch AdamW over the whole corpus. 1e-2 at this width converges within STEPS; the rate decays to zero
-# over the last half so the final steps settle instead of bouncing (the margins then stay where they are).
-STEPS = 110
+# over the last half so the final steps settle instead of bouncing (the margins then stay where they are). 125, not
+# the 110 the text alone needed: with the captions in, 110 left a get_weather call's smallest margin at 4.2.
+STEPS = 125
 LR = 1e-2
 WARMUP = 10
+
+# The attention's temperature: Gemma 4 does not scale attention, so the q/k norm weights bound the scores (transformers'
+# initial 1.0: up to head_dim, 64). Trained at 1.0, the model reads a picture's many near-alike soft tokens with
+# attention so sharp that fp16 rounding moves it between them (`verify --image`, text after a picture: min cosine
+# 0.87). Fixed at 0.5 (scores within 16), not trained: 0.99998 there.
+QK_NORM = 0.5
+_TEMPERATURE = ("q_norm.weight", "k_norm.weight")
+
+# The pictures' soft tokens: convert's default budget (--image-tokens 280), which the demo's bundle is converted at, so
+# the prompts trained on are the ones the runtime builds from the same files
+IMAGE_TOKENS = 280
+BOI, IMAGE, EOI = TINY_MEDIA_TOKENS
 
 _CONTROL = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS.values(), *TINY_MEDIA_TOKENS.values())))
 
@@ -51,11 +64,30 @@ def tokenizer_corpus() -> str:
     return "\n".join(_CONTROL.sub("\n", render(e) + "\n" + e.answer) for e in examples())
 
 
-def encode(tokenizer, example: Example) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids): the prompt encoded whole, as the runtime encodes it; the answer as its tokens."""
+def encode(tokenizer, example: Example, soft_tokens=()) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the prompt encoded whole, as the runtime encodes it, each image placeholder expanded
+    to begin-of-image, its picture's `soft_tokens` placeholders and end-of-image (as transformers' processor and
+    the runtime's expand_media expand it; left as one placeholder without counts); the answer as its tokens."""
     prompt = tokenizer.encode(render(example), add_special_tokens=False).ids
+    counts = iter(soft_tokens)
+    if soft_tokens:
+        prompt = [t for p in prompt for t in ([BOI, *[IMAGE] * next(counts), EOI] if p == IMAGE else [p])]
     answer = tokenizer.encode(example.answer, add_special_tokens=False).ids
     return prompt, answer
+
+
+def pixels(model, names) -> dict:
+    """transformers' Gemma 4 image processor (PIL backend, as verify's oracle uses it) on the PICTURES `names`, at
+    IMAGE_TOKENS and the model's patch geometry: pixel_values, image_position_ids, num_soft_tokens_per_image."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    vision = model.config.vision_config
+    processor = Gemma4ImageProcessorPil(
+        max_soft_tokens=IMAGE_TOKENS, patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size
+    )
+    out = processor([picture(n) for n in names], return_tensors="pt")
+    out["image_position_ids"] = out["image_position_ids"].long()
+    return out
 
 
 @contextmanager
@@ -70,37 +102,57 @@ def _one_thread():
 
 # Conversations run from ~25 to ~120 tokens: one padded batch would be mostly padding, so each step runs the corpus
 # as a few batches of similar lengths (their gradients summed: the same full-corpus step, at less than half the cost).
+# The picture questions (~270 tokens, their soft tokens included) are a batch of their own.
 BATCHES = 4
 
 
-def _batches(tokenizer, corpus: list[Example]) -> list[tuple]:
-    """The corpus, shortest first, cut into BATCHES right-padded batches: (ids, attention mask, mask of the
-    positions whose next token is an answer's)."""
-    pairs = sorted((encode(tokenizer, e) for e in corpus), key=lambda pa: len(pa[0]) + len(pa[1]))
+def _padded(pairs: list[tuple[list[int], list[int]]]) -> tuple:
+    """(prompt, answer) pairs right-padded into one batch: (ids, attention mask, mask of the positions whose next
+    token is an answer's)."""
+    T = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.zeros(len(pairs), T, dtype=torch.long)
+    attention = torch.zeros(len(pairs), T, dtype=torch.long)
+    predicts = torch.zeros(len(pairs), T - 1, dtype=torch.bool)
+    for i, (p, a) in enumerate(pairs):
+        n = len(p) + len(a)
+        ids[i, :n] = torch.tensor(p + a)
+        attention[i, :n] = 1
+        # the logits at position t predict token t + 1: an answer's tokens from one position earlier
+        predicts[i, len(p) - 1 : n - 1] = True
+    return ids, attention, predicts
+
+
+def _batches(model, tokenizer, corpus: list[Example]) -> list[tuple]:
+    """The text conversations, shortest first, cut into BATCHES batches, then the picture questions as one: each
+    (ids, attention mask, answer mask, the model's other inputs)."""
+    pairs = sorted((encode(tokenizer, e) for e in corpus if not e.pictures), key=lambda pa: len(pa[0]) + len(pa[1]))
     size = -(-len(pairs) // BATCHES)
-    out = []
-    for group in (pairs[k : k + size] for k in range(0, len(pairs), size)):
-        T = max(len(p) + len(a) for p, a in group)
-        ids = torch.zeros(len(group), T, dtype=torch.long)
-        attention = torch.zeros(len(group), T, dtype=torch.long)
-        predicts = torch.zeros(len(group), T - 1, dtype=torch.bool)
-        for i, (p, a) in enumerate(group):
-            n = len(p) + len(a)
-            ids[i, :n] = torch.tensor(p + a)
-            attention[i, :n] = 1
-            # the logits at position t predict token t + 1: an answer's tokens from one position earlier
-            predicts[i, len(p) - 1 : n - 1] = True
-        out.append((ids, attention, predicts))
+    out = [(*_padded(pairs[k : k + size]), {}) for k in range(0, len(pairs), size)]
+    pictured = [e for e in corpus if e.pictures]
+    if pictured:
+        px = pixels(model, [n for e in pictured for n in e.pictures])
+        counts = iter(px["num_soft_tokens_per_image"].tolist())
+        pairs = [encode(tokenizer, e, [next(counts) for _ in e.pictures]) for e in pictured]
+        # The tower is not trained (its weights stay _randomize_vision's, conditioned for fp16), so its soft tokens
+        # are the same every step: run once through transformers' own path (tower, then embed_vision), and handed
+        # to the forward as its precomputed encoder outputs, which it merges into the prompt as it would its own
+        with torch.no_grad():
+            features = model.model.get_image_features(px["pixel_values"], px["image_position_ids"], return_dict=True)
+        out.append((*_padded(pairs), {"mm_encoder_outputs": {"image": features}}))
     return out
 
 
 def train(model, vocab_size: int, steps: int = STEPS) -> list[float]:
-    """Train `model`'s language model (a Gemma4ForConditionalGeneration, transformers' own initial weights) on the
-    corpus, in place; the vision and audio towers are left as they are. Returns the loss of each step."""
+    """Train `model`'s language model (a Gemma4ForConditionalGeneration, transformers' own initial weights, its q/k
+    norms set to QK_NORM and kept there) on the corpus, in place, the pictures seen through its (untrained) vision
+    tower; the vision and audio towers are left as they are. Returns the loss of each step."""
     tokenizer = build_tokenizer(vocab_size, tokenizer_corpus())
-    batches = _batches(tokenizer, examples())
-    total = sum(int(predicts.sum()) for _, _, predicts in batches)
-    params = list(model.model.language_model.parameters())
+    lm = model.model.language_model
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if name.endswith(_TEMPERATURE):
+                p.fill_(QK_NORM)
+    params = [p for name, p in lm.named_parameters() if not name.endswith(_TEMPERATURE)]
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
 
     def rate(step: int) -> float:
@@ -112,12 +164,14 @@ def train(model, vocab_size: int, steps: int = STEPS) -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     losses = []
     with _one_thread():
+        batches = _batches(model, tokenizer, examples())
+        total = sum(int(predicts.sum()) for _, _, predicts, _ in batches)
         model.train()
         for _ in range(steps):
             optimizer.zero_grad()
             step_loss = 0.0
-            for ids, attention, predicts in batches:
-                logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            for ids, attention, predicts, media in batches:
+                logits = model(input_ids=ids, attention_mask=attention, **media).logits[:, :-1]
                 # summed over the batch's answer tokens, divided by the corpus's: the mean over the whole corpus
                 loss = torch.nn.functional.cross_entropy(logits[predicts], ids[:, 1:][predicts], reduction="sum")
                 (loss / total).backward()
@@ -136,9 +190,14 @@ def margins(model, tokenizer, corpus: list[Example] | None = None) -> list[float
     out = []
     with torch.no_grad(), _one_thread():
         for example in corpus or examples():
-            prompt, answer = encode(tokenizer, example)
+            media, soft = {}, ()
+            if example.pictures:  # through the whole vision path, pixels in: train() ran the tower once
+                px = pixels(model, example.pictures)
+                soft = px["num_soft_tokens_per_image"].tolist()
+                media = dict(pixel_values=px["pixel_values"], image_position_ids=px["image_position_ids"])
+            prompt, answer = encode(tokenizer, example, soft)
             ids = torch.tensor([prompt + answer])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            logits = model(input_ids=ids, **media).logits[0, len(prompt) - 1 : -1]
             want = torch.tensor(answer)
             others = logits.scatter(-1, want[:, None], float("-inf")).amax(-1)
             chosen = logits.gather(-1, want[:, None])[:, 0]
