@@ -46,7 +46,8 @@ class MappedWeights:
         """The next free tensor of `like`'s shape and dtype in the file (its values are whatever the file holds)."""
         nbytes = like.numel() * like.element_size()
         start, self._used = self._used, self._used + -(-nbytes // ALIGN) * ALIGN
-        if self._used > len(self._bytes):  # internal: size_of sized the file for exactly these tensors
+        if self._used > len(self._bytes):
+            # internal: size_of sized the file for exactly these tensors
             raise RuntimeError(f"scratch weights: {self._used} bytes taken from a file of {len(self._bytes)}")
         return self._bytes[start : start + nbytes].view(like.dtype).view(like.shape)
 
