@@ -29,6 +29,7 @@ CONVERTING = {
     "gqa16",
     "e4b_bundle16",
     "e2b_full16",
+    "e2b_full4",
 }
 
 
@@ -203,6 +204,17 @@ def e2b_full16(pair, tmp_path_factory) -> Path:
     return (
         built_once(tmp_path_factory, "e2b_full16", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
     )
+
+
+@pytest.fixture(scope="session")
+def e2b_full4(pair, tmp_path_factory) -> Path:
+    """tests/bundle_hashes.py's e2b-mini-4bit case as it converts it (its options, force=True, a fresh process):
+    test_byte_identity hashes it, test_drafter reads its 4-bit drafter. Read only."""
+    from bundle_hashes import CASES
+
+    ckpt, asst = pair
+    options = dict(CASES["e2b-mini-4bit"][2], assistant=str(asst), force=True)
+    return built_once(tmp_path_factory, "e2b_full4", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,7 @@ from gemma_ane.bundle.host import quantize_rows, rope_tables
 from gemma_ane.bundle.plan import ChunkPlan
 from gemma_ane.bundle.spec import FULL, SLIDING, ModelSpec
 from gemma_ane.cli import main
-from gemma_ane.convert import ConvertOptions, StageTimer
-from gemma_ane.convert.assistant import config_entry, convert_assistant, draft_io, open_assistant
+from gemma_ane.convert.assistant import config_entry, draft_io, open_assistant
 from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.assistant import AssistantModel, load_assistant
 from gemma_ane.mil.package import Package
@@ -315,20 +314,12 @@ def _dequantised(package: Path) -> dict:
     return weights
 
 
-@pytest.fixture(scope="module")
-def drafter4(pair, plan, tmp_path_factory):
-    """The 4-bit package alone (convert_assistant), beside the 16-bit bundle's host tables and model config."""
-    out = tmp_path_factory.mktemp("drafter4")
-    options = ConvertOptions(context=CONTEXT, bits=4, vision=False, assistant=str(pair[1]), draft_tokens=K)
-    convert_assistant(pair[1], plan, options, out, StageTimer())
-    return out
-
-
 @pytest.mark.slow
-def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle16, oracle):
+def test_the_4bit_package_equals_transformers_with_its_weights(e2b_full4, oracle):
     """4-bit LUTs move a random tiny drafter far from its fp32 self, so the oracle gets the program's own
-    (decompressed) weights: then the proposals and carries agree within fp16 bounds, and so does the argmax."""
-    lut = _dequantised(drafter4 / "assistant.mlpackage")
+    (decompressed) weights: then the proposals and carries agree within fp16 bounds, and so does the argmax.
+    The package is conftest's e2b_full4's (`convert --assistant --bits 4`, which test_byte_identity hashes)."""
+    lut = _dequantised(e2b_full4 / "assistant.mlpackage")
     assert sum(kind == "constexpr_lut_to_dense" for _, kind in lut.values()) >= 20
     same = copy.deepcopy(oracle.assistant)
     state = same.state_dict()
@@ -336,7 +327,7 @@ def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle1
         state[name] = torch.from_numpy(lut.pop(name.replace(".", "_"))[0])
     assert not lut, sorted(lut)  # every linear weight of the program has its transformers counterpart
     same.load_state_dict(state)
-    drafter, host = _open(drafter4, bundle16)
+    drafter, host = _open(e2b_full4)
     exact = 0
     for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host, assistant=same):
         # Measured: carry within 1.6 % of its largest value (fp32 executor: 1.1 %, the inputs' fp16 rounding
