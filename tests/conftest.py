@@ -137,10 +137,15 @@ def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vision_bundle(e2b_full16) -> Path:
-    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text): e2b_full16,
-    whose checkpoint is tiny_e2b's (the same preset and seed); its drafter runs only when a test asks for drafts."""
-    return e2b_full16
+def vision_bundle(tiny_e2b, tmp_path_factory) -> Path:
+    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text). Not
+    e2b_full16 (the same with a drafter): a drafter bundle's prompt cache file is not reused after loading
+    (test_image_prompts' cache tests)."""
+
+    def build(d: Path):
+        _convert(tiny_e2b, d / "bundle", bits=16, context=256, vision=True, image_tokens=70)
+
+    return built_once(tmp_path_factory, "vision_bundle", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
@@ -198,7 +203,7 @@ def e2b_full16(pair, tmp_path_factory) -> Path:
     """e2b-mini with its drafter and its vision model (70 soft tokens), 16 bits, a context of 256, the default three
     chunks: tests/bundle_hashes.py's e2b-mini-16bit case as it converts it (force=True, a fresh process, the audio
     option left at its default), so test_byte_identity hashes it; test_nchunks compares its 4 and 6 chunks to it,
-    test_drafter and test_bench read its drafter, and it is vision_bundle. Read only: tests that damage it copy it."""
+    test_drafter and test_bench read its drafter. Read only: tests that damage it copy it."""
     ckpt, asst = pair
     options = dict(bits=16, context=256, vision=True, image_tokens=70, audio=True, assistant=str(asst), force=True)
     return (
@@ -213,7 +218,7 @@ def e2b_full4(pair, tmp_path_factory) -> Path:
     from bundle_hashes import CASES
 
     ckpt, asst = pair
-    options = dict(CASES["e2b-mini-4bit"][2], assistant=str(asst), force=True)
+    options = dict(CASES["e2b-mini-4bit"][2], audio=True, assistant=str(asst), force=True)  # audio: the default
     return built_once(tmp_path_factory, "e2b_full4", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
 
 
