@@ -29,6 +29,7 @@ CONVERTING = {
     "gqa16",
     "e4b_bundle16",
     "e2b_full16",
+    "e2b_full4",
 }
 
 
@@ -137,7 +138,9 @@ def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def vision_bundle(tiny_e2b, tmp_path_factory) -> Path:
-    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text)."""
+    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text). Not
+    e2b_full16 (the same with a drafter): a drafter bundle's prompt cache file is not reused after loading
+    (test_image_prompts' cache tests)."""
 
     def build(d: Path):
         _convert(tiny_e2b, d / "bundle", bits=16, context=256, vision=True, image_tokens=70)
@@ -199,12 +202,24 @@ def tiny_published(tiny_e2b, tmp_path_factory) -> Path:
 def e2b_full16(pair, tmp_path_factory) -> Path:
     """e2b-mini with its drafter and its vision model (70 soft tokens), 16 bits, a context of 256, the default three
     chunks: tests/bundle_hashes.py's e2b-mini-16bit case as it converts it (force=True, a fresh process, the audio
-    option left at its default), so test_byte_identity hashes it and test_nchunks compares its 4 and 6 chunks to it."""
+    option left at its default), so test_byte_identity hashes it; test_nchunks compares its 4 and 6 chunks to it,
+    test_drafter and test_bench read its drafter. Read only: tests that damage it copy it."""
     ckpt, asst = pair
     options = dict(bits=16, context=256, vision=True, image_tokens=70, audio=True, assistant=str(asst), force=True)
     return (
         built_once(tmp_path_factory, "e2b_full16", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
     )
+
+
+@pytest.fixture(scope="session")
+def e2b_full4(pair, tmp_path_factory) -> Path:
+    """tests/bundle_hashes.py's e2b-mini-4bit case as it converts it (its options, force=True, a fresh process):
+    test_byte_identity hashes it, test_drafter reads its 4-bit drafter. Read only."""
+    from bundle_hashes import CASES
+
+    ckpt, asst = pair
+    options = dict(CASES["e2b-mini-4bit"][2], audio=True, assistant=str(asst), force=True)  # audio: the default
+    return built_once(tmp_path_factory, "e2b_full4", lambda d: _convert_fresh(ckpt, d / "bundle", **options)) / "bundle"
 
 
 @pytest.fixture(scope="session")

@@ -136,18 +136,10 @@ def test_cost_model_quick(quick_bundle):
 
 
 @pytest.fixture(scope="module")
-def drafter_bundle(tmp_path_factory):
-    """A tiny target and drafter, converted with --assistant at K = 2 (16 bits, no KV-only prefill: quick)."""
-    from gemma_ane.convert import ConvertOptions, convert
-    from gemma_ane.oracle.tiny import write_tiny
-
-    d = tmp_path_factory.mktemp("drafter")
-    write_tiny(d / "ckpt", preset="e2b-mini", assistant=d / "asst")
-    opts = ConvertOptions(
-        context=128, bits=16, vision=False, kv_prefill_batches=(), assistant=str(d / "asst"), draft_tokens=2
-    )
-    convert(str(d / "ckpt"), str(d / "bundle"), opts, progress=False)
-    return d / "bundle"
+def drafter_bundle(e2b_full16):
+    """A tiny target with its drafter, K = 3 drafts a verify call: conftest's e2b_full16 (converted once a run;
+    test_drafter, test_nchunks and test_byte_identity read it too)."""
+    return e2b_full16
 
 
 def test_inspect_reports_the_drafter(drafter_bundle):
@@ -163,7 +155,7 @@ def test_inspect_reports_the_drafter(drafter_bundle):
     assert drafter["size_bytes"] == tree_size(drafter_bundle / "assistant.mlpackage") > 0
     draft = drafter["functions"]["draft"]
     assert draft["tokens_per_call"] == 1 and draft["weight_bytes"] > 0 and draft["macs_per_token"] > 0
-    assert "verify_b3" not in report["prompt_paths"] and "infer" in report["prompt_paths"]  # verify is no prompt path
+    assert "verify_b4" not in report["prompt_paths"] and "infer" in report["prompt_paths"]  # verify is no prompt path
     text = subprocess.run(
         [sys.executable, "-m", "gemma_ane.cli", "inspect", str(drafter_bundle), "--no-sha"],
         capture_output=True,
@@ -179,11 +171,11 @@ def test_cost_model_speculative_quick(drafter_bundle):
     m = json.loads(script("cost_model.py", drafter_bundle, "--json").stdout)
     s, d = m["speculative"], m["decode"]
     draft, verify = s["draft"], s["verify"]
-    assert s["built_draft_tokens"] == 2 and verify["function"] == "verify_b3"
+    assert s["built_draft_tokens"] == 3 and verify["function"] == "verify_b4"
     assert draft["weight_bytes"] > 0 and draft["kv_bytes"] > 0 and draft["host_head_macs"] > 0
     assert verify["weight_bytes"] >= d["weight_bytes"] and verify["macs_per_row"] >= d["macs"]
     assert s["plain_bytes"] == d["weight_bytes"] + d["kv_static"]["1024"]
-    assert list(s["steps"]) == ["1", "2", "3", "4"]  # K past the bundle's 2 modelled too
+    assert list(s["steps"]) == ["1", "2", "3", "4"]  # K past the bundle's 3 modelled too
     for k, st in s["steps"].items():
         k = int(k)
         assert (
@@ -201,8 +193,8 @@ def test_cost_model_speculative_quick(drafter_bundle):
     for k in (1, 4):  # the endpoints: nothing accepted gives the target's one token, everything K + 1
         assert expected_tokens(0.0, k) == 1 and expected_tokens(1.0, k) == k + 1
     table = script("cost_model.py", drafter_bundle).stdout
-    assert "| draft step (assistant `draft`) |" in table and "`verify_b3`" in table
-    assert "| A19 Pro | ≤ " in table and "| 2 (built) |" in table and "assumptions" in table
+    assert "| draft step (assistant `draft`) |" in table and "`verify_b4`" in table
+    assert "| A19 Pro | ≤ " in table and "| 3 (built) |" in table and "assumptions" in table
 
 
 def test_executor_vs_transformers_quick(quick_ckpt, quick_bundle):

@@ -24,8 +24,7 @@ from gemma_ane.bundle.host import quantize_rows, rope_tables
 from gemma_ane.bundle.plan import ChunkPlan
 from gemma_ane.bundle.spec import FULL, SLIDING, ModelSpec
 from gemma_ane.cli import main
-from gemma_ane.convert import ConvertOptions, StageTimer
-from gemma_ane.convert.assistant import config_entry, convert_assistant, draft_io, open_assistant
+from gemma_ane.convert.assistant import config_entry, draft_io, open_assistant
 from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.assistant import AssistantModel, load_assistant
 from gemma_ane.mil.package import Package
@@ -34,7 +33,8 @@ from gemma_ane.runtime.drafter import CentroidHead, Drafter, open_drafter
 from gemma_ane.runtime.engine import FunctionUnavailable, HostTables
 
 W, H, V = 16, 64, 512  # e2b-mini's window, hidden size and vocabulary
-CONTEXT, K = 64, 3  # K drafts per verify call: rings of 16 + 32 = 48 slots
+CONTEXT, K = 64, 3  # the torch drafter's context; K drafts per verify call: rings of 16 + 32 = 48 slots
+BUNDLE_CONTEXT = 256  # the converted bundle's (conftest's e2b_full16)
 N = CONTEXT  # positions the target runs: K/V for every draft position and the rejected rows after it
 # past the window (17 = W+1: the first position where the drafter's W+1 rows leave one out), past the ring (48)
 POSITIONS = (1, 9, 17, 30, 50, 60)
@@ -79,14 +79,14 @@ def transformers_draft(assistant, o, emb, carry, P):
     return out.logits[0, 0].numpy(), out.last_hidden_state[0, 0].numpy()
 
 
-def caches(o, P, ring):
+def caches(o, P, widths):
     """chunk_2's producer outputs after a verify call whose K drafts past P-1 were all rejected: rows up to P-1+K,
-    the ring at slot = position % ring; slots never written hold noise (the masks must hide all but the rows
-    the drafter reads)."""
+    the sliding ring at slot = position % its width, the full cache as wide as the drafter's context; slots never
+    written hold noise (the masks must hide all but the rows the drafter reads)."""
     rng, top = np.random.default_rng(P), P - 1 + K
     (ks, vs), (kf, vf) = ([t[0].numpy() for t in o.kv[x]] for x in (SLIDING, FULL))
     out = {}
-    for name, src, rows in (("kv8", (ks, vs), ring), ("kv9", (kf, vf), CONTEXT)):
+    for name, src, rows in (("kv8", (ks, vs), widths[SLIDING]), ("kv9", (kf, vf), widths[FULL])):
         for which, t in zip("kv", src):
             a = rng.standard_normal((1, t.shape[0], rows, t.shape[-1])).astype(np.float32)
             for q in range(max(0, top - rows + 1), top + 1):
@@ -105,7 +105,7 @@ def bursts(drafter, o, host, assistant=None, steps=2):
     """Per position and draft step: (our proposal, our carry, transformers' logits, its carry). The first step
     continues from the target's final-norm state at P-1, the next from each side's own carry_out."""
     for P in POSITIONS:
-        kv = caches(o, P, drafter.widths[SLIDING])
+        kv = caches(o, P, drafter.widths)
         token, ours, theirs = o.ids[P], o.normed[P - 1].numpy(), o.normed[P - 1].numpy()
         for _ in range(steps):
             proposal, ours = drafter.step(token, ours, P, kv)
@@ -220,19 +220,31 @@ def test_a_package_that_disagrees_with_model_config_is_refused(torch_drafter, pr
 def test_a_draft_position_outside_the_context_is_refused(torch_drafter, oracle, P):
     drafter, _ = torch_drafter
     with pytest.raises(ValueError, match=rf"draft position {P}: must lie in \[1, context 64\)"):
-        drafter.step(1, np.zeros(H, np.float32), P, caches(oracle, 1, 48))
+        drafter.step(1, np.zeros(H, np.float32), P, caches(oracle, 1, drafter.widths))
 
 
 # -- the converted package ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def bundle16(pair, tmp_path_factory):
-    """`gemma-ane convert --assistant`, 16 bits, no KV-only prefill (fewer functions to convert)."""
-    out = tmp_path_factory.mktemp("drafter") / "bundle"
-    argv = ["convert", str(pair[0]), str(out), "--assistant", str(pair[1]), "--bits", "16", "--no-vision", "--quiet"]
-    assert main([*argv, "--context", str(CONTEXT), "--draft-tokens", str(K), "--kv-prefill-batches", ""]) == 0
-    return out
+def bundle16(e2b_full16):
+    """`convert --assistant` (K = 3), 16 bits, a context of 256, with its vision model: conftest's e2b_full16, which
+    test_bench, test_nchunks and test_byte_identity read too (so tests here read it and damage only copies). The
+    command line's drafter flags reaching the converter: test_the_drafter_flags_reach_the_options."""
+    return e2b_full16
+
+
+def test_the_drafter_flags_reach_the_options(capsys, pair, tmp_path, monkeypatch):
+    import gemma_ane.convert
+
+    seen = []
+    monkeypatch.setattr(gemma_ane.convert, "convert", lambda src, out, opts, **kw: seen.append(opts) or {})
+    argv = ["convert", str(pair[0]), str(tmp_path / "out"), "--assistant", str(pair[1]), "--quiet"]
+    assert main(argv) == 0
+    assert main([*argv, "--draft-tokens", "5", "--kv-prefill-batches", ""]) == 0
+    default, chosen = seen
+    assert (default.assistant, default.draft_tokens, default.kv_prefill_batches) == (str(pair[1]), 3, None)
+    assert (chosen.assistant, chosen.draft_tokens, chosen.kv_prefill_batches) == (str(pair[1]), 5, ())
 
 
 def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
@@ -243,7 +255,7 @@ def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
 
 def test_the_16bit_package_equals_transformers(bundle16, oracle):
     drafter, host = _open(bundle16)
-    assert drafter.widths == {SLIDING: 48, FULL: CONTEXT}
+    assert drafter.widths == {SLIDING: 48, FULL: BUNDLE_CONTEXT}
     clear = 0
     for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host):
         # Measured: carry within 0.52 % of its largest value, logits within 0.135 (range ~25; the head's
@@ -302,20 +314,12 @@ def _dequantised(package: Path) -> dict:
     return weights
 
 
-@pytest.fixture(scope="module")
-def drafter4(pair, plan, tmp_path_factory):
-    """The 4-bit package alone (convert_assistant), beside the 16-bit bundle's host tables and model config."""
-    out = tmp_path_factory.mktemp("drafter4")
-    options = ConvertOptions(context=CONTEXT, bits=4, vision=False, assistant=str(pair[1]), draft_tokens=K)
-    convert_assistant(pair[1], plan, options, out, StageTimer())
-    return out
-
-
 @pytest.mark.slow
-def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle16, oracle):
+def test_the_4bit_package_equals_transformers_with_its_weights(e2b_full4, oracle):
     """4-bit LUTs move a random tiny drafter far from its fp32 self, so the oracle gets the program's own
-    (decompressed) weights: then the proposals and carries agree within fp16 bounds, and so does the argmax."""
-    lut = _dequantised(drafter4 / "assistant.mlpackage")
+    (decompressed) weights: then the proposals and carries agree within fp16 bounds, and so does the argmax.
+    The package is conftest's e2b_full4's (`convert --assistant --bits 4`, which test_byte_identity hashes)."""
+    lut = _dequantised(e2b_full4 / "assistant.mlpackage")
     assert sum(kind == "constexpr_lut_to_dense" for _, kind in lut.values()) >= 20
     same = copy.deepcopy(oracle.assistant)
     state = same.state_dict()
@@ -323,7 +327,7 @@ def test_the_4bit_package_equals_transformers_with_its_weights(drafter4, bundle1
         state[name] = torch.from_numpy(lut.pop(name.replace(".", "_"))[0])
     assert not lut, sorted(lut)  # every linear weight of the program has its transformers counterpart
     same.load_state_dict(state)
-    drafter, host = _open(drafter4, bundle16)
+    drafter, host = _open(e2b_full4)
     exact = 0
     for P, proposal, carry, logits, ref_carry in bursts(drafter, oracle, host, assistant=same):
         # Measured: carry within 1.6 % of its largest value (fp32 executor: 1.1 %, the inputs' fp16 rounding
@@ -500,7 +504,7 @@ def test_core_ml_loads_the_drafter_on_first_use_or_says_it_cannot(bundle16, orac
 
     mil, host = _open(bundle16)
     P, token, carry = 30, oracle.ids[30], oracle.normed[29].numpy()
-    kv = caches(oracle, P, 48)
+    kv = caches(oracle, P, mil.widths)
     want, want_carry = mil.step(token, carry, P, kv)
     with install(refuse={"draft"}) as standin:
         refused, _ = _open(bundle16, backend="coreml")

@@ -238,22 +238,24 @@ def _bundle(factory, name, ckpt, split, **options):
 
 
 @pytest.fixture(scope="module")
-def e2b_bundles(pair, e2b_full16, tmp_path_factory):
+def e2b_bundles(pair, tmp_path_factory, request):
     """e2b-mini with its drafter and its vision model at 3, 4 and 6 chunks (fp16 weights, 70 soft tokens): the
-    three-chunk bundle is conftest's (SPLITS' 3 is the default split, K the default draft count)."""
+    three-chunk bundle is conftest's (SPLITS' 3 is the default split, K the default draft count). Asked for after
+    this file's own: meanwhile the other worker may be converting it for a file of its own."""
     ckpt, asst = pair
     options = {"assistant": str(asst), "draft_tokens": K, "vision": True, "image_tokens": 70}
     more = {
         n: _bundle(tmp_path_factory, f"e2b{n}", ckpt, s, **options) for n, s in SPLITS["e2b-mini"].items() if n != 3
     }
-    return ckpt, {3: e2b_full16, **more}
+    return ckpt, {3: request.getfixturevalue("e2b_full16"), **more}
 
 
 @pytest.fixture(scope="module")
-def e4b_bundles(tiny_e4b, e4b_bundle16, tmp_path_factory):
-    """e4b-mini at 3, 4 and 6 chunks: the three-chunk bundle is conftest's (SPLITS' 3 is the default split)."""
+def e4b_bundles(tiny_e4b, tmp_path_factory, request):
+    """e4b-mini at 3, 4 and 6 chunks: the three-chunk bundle is conftest's (SPLITS' 3 is the default split), asked
+    for last as e2b_bundles' is."""
     more = {n: _bundle(tmp_path_factory, f"e4b{n}", tiny_e4b, s) for n, s in SPLITS["e4b-mini"].items() if n != 3}
-    return tiny_e4b, {3: e4b_bundle16, **more}
+    return tiny_e4b, {3: request.getfixturevalue("e4b_bundle16"), **more}
 
 
 def _greedy(bundle, prompt, steps):
