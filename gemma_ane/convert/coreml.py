@@ -218,7 +218,7 @@ def _dropped_after_use(scratch):
 
     def drop(module, args, output):
         for p in module.parameters(recurse=False):
-            scratch.drop_range(p.data_ptr(), p.numel() * p.element_size())
+            scratch.drop_tensor(p.data_ptr())  # not p.numel(): under a trace that is a traced value
 
     handle = torch.nn.modules.module.register_module_forward_hook(drop)
     try:

@@ -34,8 +34,9 @@ class MappedWeights:
         finally:
             os.close(fd)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._base = self._bytes.data_ptr()
+        self._base, self._size = self._bytes.data_ptr(), len(self._bytes)  # plain ints: drop_range runs in traces
         self._used = 0
+        self._extent: dict[int, int] = {}  # address -> bytes of each tensor taken
 
     @staticmethod
     def size_of(tensors) -> int:
@@ -46,26 +47,32 @@ class MappedWeights:
         """The next free tensor of `like`'s shape and dtype in the file (its values are whatever the file holds)."""
         nbytes = like.numel() * like.element_size()
         start, self._used = self._used, self._used + -(-nbytes // ALIGN) * ALIGN
-        if self._used > len(self._bytes):
+        if self._used > self._size:
             # internal: size_of sized the file for exactly these tensors
-            raise RuntimeError(f"scratch weights: {self._used} bytes taken from a file of {len(self._bytes)}")
-        return self._bytes[start : start + nbytes].view(like.dtype).view(like.shape)
+            raise RuntimeError(f"scratch weights: {self._used} bytes taken from a file of {self._size}")
+        tensor = self._bytes[start : start + nbytes].view(like.dtype).view(like.shape)
+        self._extent[tensor.data_ptr()] = nbytes
+        return tensor
 
     def holds(self, array: np.ndarray) -> bool:
         address = array.__array_interface__["data"][0]
-        return self._base <= address < self._base + len(self._bytes)
+        return self._base <= address < self._base + self._size
 
     def drop(self, array: np.ndarray | None = None) -> None:
         """Unmap the resident pages of `array` (a view into the file), or of the whole file."""
         if array is None:
-            self.drop_range(self._base, len(self._bytes))
+            self.drop_range(self._base, self._size)
         else:
             self.drop_range(array.__array_interface__["data"][0], array.nbytes)
+
+    def drop_tensor(self, address: int) -> None:
+        """Unmap the pages of the tensor taken at `address` (its data_ptr; an int, so a trace records nothing)."""
+        self.drop_range(address, self._extent.get(address, 0))
 
     def drop_range(self, address: int, nbytes: int) -> None:
         """Unmap the whole pages of [address, address + nbytes) that lie in the file; the data stays in the file."""
         start = max(address - self._base, 0)
-        stop = min(address - self._base + nbytes, len(self._bytes))
+        stop = min(address - self._base + nbytes, self._size)
         start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         stop = stop // mmap.PAGESIZE * mmap.PAGESIZE
         if stop > start:
