@@ -42,7 +42,12 @@ _KEY_NP, _VALUES = _fp16_order()
 
 
 def kmeans_lut(
-    weight: np.ndarray, nbits: int = 4, group_size: int = 32, max_iter: int = 300, block_bins: int = 1 << 24
+    weight: np.ndarray,
+    nbits: int = 4,
+    group_size: int = 32,
+    max_iter: int = 300,
+    block_bins: int = 1 << 24,
+    block_values: int = 1 << 23,
 ):
     """LUT-quantize a [out, in] weight (as the fp16 values a program stores) per group of
     `group_size` output channels.
@@ -65,7 +70,10 @@ def kmeans_lut(
             np.bincount(_KEY_NP[w16[r : r + max(1, (1 << 22) // cols)].view(np.uint16)].reshape(-1), minlength=_CODES)
             > 0
         )
-    per_block = max(1, block_bins // int(present.sum())) * group_size
+    # ... and so that a block's per-weight temporaries (~21 bytes a weight) stay within `block_values` weights: a
+    # weight born in bf16 has few distinct fp16 codes, and the bins bound alone let a block take half the LM head
+    # (~4 GB of temporaries, measured as the converter's peak). Blocks hold whole groups: the result is the same.
+    per_block = max(1, min(block_bins // int(present.sum()), block_values // (group_size * cols))) * group_size
     if out <= per_block:
         return _kmeans_block(w16, nbits, group_size, max_iter)
     # each block's result written in place: a list of blocks to concatenate would hold the indices twice
