@@ -121,24 +121,46 @@ def _tensor_types(io: dict, float_type=np.float16):
     ]
 
 
+def _validated_once(prog, pass_pipeline) -> None:
+    """coremltools 9.0's `PassPipelineManager.apply_pipeline`, validating the program before and after the pipeline
+    instead of after each of its ~90 passes as well. Validation only reads (it checks each var's uses both ways),
+    but it walks the whole program every time: measured, 38 % of a tiny model's conversion, and ~80 % of a merge,
+    whose program holds every function and whose pipeline's passes are all skipped. No debug dump of the program
+    either: coremltools formats it whole, twice a pipeline, for a log line that is then dropped."""
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    pass_pipeline.validate()
+    prog.validate()
+    for name in pass_pipeline.passes:
+        graph_pass = PASS_REGISTRY[name]
+        graph_pass.set_options(pass_pipeline.get_options(name))
+        graph_pass(prog)
+    prog.validate()
+
+
 @contextmanager
-def quiet_coremltools():
-    """coremltools draws a progress bar per pass pipeline, a dozen per function, with no option to
-    turn them off; our own per-function bar says where the conversion is. So tqdm bars created
-    inside this block start disabled (tqdm reads its TQDM_* variables only at import)."""
+def patched_coremltools():
+    """coremltools while converting:
+    - it draws a progress bar per pass pipeline, a dozen per function, with no option to turn them off; our own
+      per-function bar says where the conversion is. So tqdm bars created inside this block start disabled (tqdm
+      reads its TQDM_* variables only at import);
+    - a pass pipeline validates its program once at each end (`_validated_once`)."""
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
     from tqdm.std import tqdm
 
-    init = tqdm.__init__
+    init, apply_pipeline = tqdm.__init__, PassPipelineManager.__dict__["apply_pipeline"]
 
     def quiet_init(self, *args, **kwargs):
         kwargs["disable"] = True
         init(self, *args, **kwargs)
 
     tqdm.__init__ = quiet_init
+    PassPipelineManager.apply_pipeline = staticmethod(_validated_once)
     try:
         yield
     finally:
         tqdm.__init__ = init
+        PassPipelineManager.apply_pipeline = apply_pipeline
 
 
 @contextmanager
@@ -244,13 +266,13 @@ def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
         torch.zeros(t.shape, dtype=torch.int32 if t.dtype == "int32" else float_type) for t in io["inputs"].values()
     )
     scratch = getattr(model, "scratch", None)  # a chunk whose weights live in a mapped file (load_module)
-    with timer("trace"), torch.no_grad(), quiet_coremltools(), _dropped_after_use(scratch):
+    with timer("trace"), torch.no_grad(), patched_coremltools(), _dropped_after_use(scratch):
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
         for n, t in chunk.states.items()
     ]
-    with timer("convert"), quiet_coremltools(), _lean_fp16_pass(scratch):
+    with timer("convert"), patched_coremltools(), _lean_fp16_pass(scratch):
         return ct.convert(
             traced,
             inputs=_tensor_types(io["inputs"], io_float),
@@ -284,7 +306,7 @@ def finish_function(
             # The dense weights the pass replaced are held by the program's reference cycles until a collection:
             # the size of the model again, beside its compressed form, through serialisation.
             gc.collect()
-    with timer("convert"), quiet_coremltools():
+    with timer("convert"), patched_coremltools():
         # The program already went through the default pipeline; running it again could fold
         # our constexpr ops back into dense weights.
         return ct.convert(
@@ -347,7 +369,7 @@ def save_functions(progs, default: str, name: str, options: ConvertOptions, out:
         gc.collect()  # the saved program's cycles, before the next one is traced
     note_fp16(name, options, skipped, kept)
     final = layout.package_path(out, name)
-    with timer("merge"), quiet_coremltools(), temp_files_in(work):
+    with timer("merge"), patched_coremltools(), temp_files_in(work):
         merge_functions(paths, final, default=default)
     shutil.rmtree(work)
     return_freed_memory()
@@ -379,6 +401,24 @@ class SpilledCache:
 
     def __getitem__(self, key: str) -> tuple:
         return tuple(np.load(self.folder / f"{key}.{i}.npy", allow_pickle=False) for i in range(self.parts[key]))
+
+
+@contextmanager
+def heap_frozen():
+    """While converting, Python's full garbage collections skip every object that existed before (gc.freeze): the
+    converter collects after each function to free the program's reference cycles (and coremltools does after each
+    save), and each such collection would otherwise walk torch's, coremltools' and the caller's objects too (a
+    test process's: pytest's and the oracle's). Measured on a tiny model, collections took 23 of 46 CPU seconds;
+    frozen, 7. Garbage from before is freed first; what is frozen is thawed at the end."""
+    import coremltools  # noqa: F401  (imported now, so that their modules' objects are frozen too)
+    import torch  # noqa: F401
+
+    return_freed_memory()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def return_freed_memory() -> None:

@@ -64,8 +64,11 @@ def convert(
     """Convert SRC into the bundle directory OUT; returns {stage: seconds} (`timer` also holds
     each stage's peak resident memory). OUT appears whole, or not at all."""
     options.check()
-    coreml.return_freed_memory()
-    timer = timer or StageTimer()
+    with coreml.heap_frozen():
+        return _convert(src, out, options, progress, timer or StageTimer())
+
+
+def _convert(src: str, out: str, options: ConvertOptions, progress: bool, timer: StageTimer) -> dict:
     out = Path(out)
     if out.exists() and not options.force:
         raise ConvertError(f"{out}: already exists (use --force to replace it)")

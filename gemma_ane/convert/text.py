@@ -59,7 +59,7 @@ def convert_chunk(
         gc.collect()
     coreml.note_fp16(chunk.name, options, skipped, kept)
     package = layout.package_path(out, chunk.name)
-    with timer("merge"), coreml.quiet_coremltools(), coreml.temp_files_in(work):
+    with timer("merge"), coreml.patched_coremltools(), coreml.temp_files_in(work):
         coreml.merge_functions(paths, package)
     shutil.rmtree(work)
     coreml.return_freed_memory()  # what the merge held, before the next chunk loads
