@@ -53,6 +53,7 @@ def test_a_pass_pipeline_validates_its_program_before_and_after_its_passes_only(
     assert len(re.findall("p+", order)) == 2, order  # ct.convert to a MIL program: the frontend's and the main one
     assert re.fullmatch("v*(vp+v)+", order), order  # the frontend validates the program it built once, on its own
 
+
 def test_a_conversion_runs_with_the_heap_it_found_frozen(monkeypatch):
     """Full collections during a conversion skip the objects that existed before it; they thaw at its end."""
     seen = {}
@@ -91,3 +92,111 @@ def test_the_frozen_heap_still_frees_garbage_of_before_and_of_during():
             assert new() is None
     finally:
         gc.enable()
+
+
+def test_allclose_answers_as_before_without_widening_equal_arrays():
+    """save_multifunction's np.allclose on two equal index arrays widened both to float64; under the merge's patch
+    equal arrays answer from np.array_equal, and every answer is numpy's own."""
+    import tracemalloc
+
+    import numpy as np
+
+    a = np.random.default_rng(0).integers(0, 16, 8 << 20, dtype=np.uint8)  # 8 MiB of indices
+    cases = [
+        (a, a.copy()),
+        (a, np.roll(a, 1)),
+        (np.array([1.0, np.nan]), np.array([1.0, np.nan])),
+        (np.array([np.inf, 1.0]), np.array([np.inf, 1.0])),
+        (np.zeros(3), np.zeros((1, 3))),
+        (np.array([1.0, 2.0]), np.array([1.0, 2.0 + 1e-13])),
+    ]
+    expected = [np.allclose(x, y, rtol=0.0, atol=1e-12) for x, y in cases]
+    with coreml._equal_before_close():
+        assert [np.allclose(x, y, rtol=0.0, atol=1e-12) for x, y in cases] == expected
+        tracemalloc.start()
+        assert np.allclose(a, cases[0][1], rtol=0.0, atol=1e-12)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak <= a.nbytes + (1 << 20), f"{peak / 2**20:.0f} MiB for {a.nbytes / 2**20:.0f} MiB of indices"
+
+
+def test_the_fp16_pass_still_keeps_a_const_beyond_fp16_in_fp32():
+    """The overflow check's shortcut (min and max within fp16) must not answer for a const that is beyond it: that
+    linear stays fp32, as coremltools' own check decides."""
+    import numpy as np
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    def weight_dtype(big: float) -> str:
+        w = np.full((64, 64), 0.5, np.float32)
+        w[7, 9] = big
+
+        @mb.program(input_specs=[mb.TensorSpec(shape=(1, 64))])
+        def prog(x):
+            return mb.linear(x=x, weight=w)
+
+        with coreml._lean_fp16_pass():
+            PASS_REGISTRY["common::add_fp16_cast"](prog)
+        [linear] = [op for op in prog.functions["main"].operations if op.op_type == "linear"]
+        return types.builtin_to_string(linear.weight.dtype)
+
+    assert weight_dtype(1.0) == "fp16"
+    assert weight_dtype(1e5) == weight_dtype(-1e5) == "fp32"
+
+
+def test_the_embedding_tables_are_written_by_a_thread_beside_the_chunks(tiny_e2b, tmp_path, monkeypatch):
+    """While the chunks convert, a thread writes the int8 embedding tables; a conversion that fails stops it and
+    leaves no OUT."""
+    import threading
+
+    import pytest
+
+    from gemma_ane.convert import ConvertOptions
+    from gemma_ane.convert.options import ConvertError
+
+    seen = []
+
+    def convert_chunk(*args):
+        seen.append([t.name for t in threading.enumerate()])
+        raise ConvertError("stopped here")
+
+    monkeypatch.setattr(driver, "convert_chunk", convert_chunk)
+    with pytest.raises(ConvertError, match="stopped here"):
+        driver.convert(str(tiny_e2b), str(tmp_path / "out"), ConvertOptions(context=128, vision=False, audio=False))
+    assert any(name.startswith("embeddings") for name in seen[0]), seen
+    assert not any(t.name.startswith("embeddings") for t in threading.enumerate())
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_embedding_tables_are_the_whole_tables_quantised_and_the_threads_error_is_raised(
+    tiny_e2b, tmp_path, monkeypatch
+):
+    """Blocks of rows change no byte (each row is quantised alone); an error in the thread comes out of result()."""
+    import pytest
+
+    from gemma_ane.bundle import layout
+    from gemma_ane.bundle.host import quantize_rows
+    from gemma_ane.convert import text
+    from gemma_ane.convert.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_e2b)
+    rows, cols = ckpt.shape_of("embed_tokens_per_layer.weight")
+    monkeypatch.setattr(text, "BLOCK_BYTES", 4 * cols * (rows // 5 + 1))  # five blocks, the last one short
+    with text.embeddings_beside(ckpt, tmp_path) as tables:
+        tables.result()
+    for name, q_file, scale_file in (
+        ("embed_tokens.weight", layout.EMBED_Q8, layout.EMBED_SCALES),
+        ("embed_tokens_per_layer.weight", layout.PLE_Q8, layout.PLE_SCALES),
+    ):
+        q, scale = quantize_rows(ckpt[name])
+        assert (tmp_path / q_file).read_bytes() == q.tobytes()
+        assert (tmp_path / scale_file).read_bytes() == scale.astype("<f2").tobytes()
+
+    def broken(w):
+        raise ValueError("no rows today")
+
+    monkeypatch.setattr(text, "quantize_rows", broken)
+    with text.embeddings_beside(ckpt, tmp_path) as tables, pytest.raises(ValueError, match="no rows today"):
+        tables.result()
+    ckpt.close()

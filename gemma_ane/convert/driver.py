@@ -27,7 +27,7 @@ from .assistant import AssistantComponent
 from .audio import AudioComponent
 from .checkpoint import Checkpoint
 from .options import ConvertError, ConvertOptions, StageTimer
-from .text import convert_chunk, write_sidecars
+from .text import convert_chunk, embeddings_beside, write_sidecars
 from .vision import VisionComponent
 
 ASSISTANT, VISION, AUDIO = schema.ASSISTANT, schema.VISION, schema.AUDIO
@@ -92,16 +92,18 @@ def _convert(src: str, out: str, options: ConvertOptions, progress: bool, timer:
         with building(out) as tmp:
             if not compile_ and options.compile is None:
                 print("note: not on macOS, so chunks stay .mlpackage (Core ML compiles them on first load)")
-            sizes = {
-                chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
-                for chunk in plan.chunks
-            }
-            for component in components:
-                if progress:  # a one-function model has no bar of its own; at E2B's size it takes minutes
-                    print(f"convert {component.name} ...", file=sys.stderr, flush=True)
-                sizes[component.name] = component.convert(tmp, timer, compile_)
-            with timer("sidecars"):
-                write_sidecars(ckpt, plan, options, tmp, config)
+            with embeddings_beside(ckpt, tmp) as embeddings:
+                sizes = {
+                    chunk.name: convert_chunk(ckpt, plan, chunk, options, tmp, timer, progress, compile_)
+                    for chunk in plan.chunks
+                }
+                for component in components:
+                    if progress:  # a one-function model has no bar of its own; at E2B's size it takes minutes
+                        print(f"convert {component.name} ...", file=sys.stderr, flush=True)
+                    sizes[component.name] = component.convert(tmp, timer, compile_)
+                with timer("sidecars"):  # what is left of the embeddings' time, and the other tables
+                    embeddings.result()
+                    write_sidecars(ckpt, plan, options, tmp, config)
                 (tmp / layout.MODEL_CARD).write_text(model_card(name, root, options, plan, sizes))
                 if options.layout == "ours":
                     write_manifest(tmp, manifest_header(root, options, plan, components))

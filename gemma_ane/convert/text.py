@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,8 @@ from . import coreml
 from .checkpoint import Checkpoint
 from .options import ConvertError, ConvertOptions
 
-ROW_BLOCK = 8192  # rows of an embedding table quantised at a time: bounded memory at any vocab
+ROW_BLOCK = 8192  # rows of the drafter's head table quantised at a time: bounded memory at any vocab
+BLOCK_BYTES = 16 << 20  # float32 bytes of an embedding table quantised at a time, beside a chunk's conversion
 
 
 def convert_chunk(
@@ -74,21 +78,50 @@ def convert_chunk(
 # -- the host's tables ------------------------------------------------------------------------------------------
 
 
-def write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path) -> None:
-    """Stream a [V, N] table into int8 rows + fp16 scales (CONTRACT §2), ROW_BLOCK rows at a time."""
-    rows = ckpt.entries[ckpt.prefix + name][1]["shape"][0]
+def write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path, stop=None) -> None:
+    """Stream a [V, N] table into int8 rows + fp16 scales (CONTRACT §2), BLOCK_BYTES of float32 rows at a time
+    (each row is quantised alone: the block changes no byte); `stop` (a threading.Event) ends it between blocks."""
+    rows, cols = ckpt.shape_of(name)
+    block = max(1, BLOCK_BYTES // (4 * cols))
     with open(q_path, "wb") as fq, open(scale_path, "wb") as fs:
-        for start in range(0, rows, ROW_BLOCK):
-            q, scale = quantize_rows(ckpt.rows(name, start, min(rows, start + ROW_BLOCK)))
+        for start in range(0, rows, block):
+            if stop is not None and stop.is_set():
+                return
+            q, scale = quantize_rows(ckpt.rows(name, start, min(rows, start + block)))
             fq.write(q.tobytes())
             fs.write(scale.astype("<f2").tobytes())
 
 
+def write_embeddings(ckpt: Checkpoint, out: Path, stop=None) -> None:
+    """The two int8 embedding tables and their scales."""
+    write_rows_int8(ckpt, "embed_tokens.weight", out / layout.EMBED_Q8, out / layout.EMBED_SCALES, stop)
+    write_rows_int8(ckpt, "embed_tokens_per_layer.weight", out / layout.PLE_Q8, out / layout.PLE_SCALES, stop)
+
+
+@contextmanager
+def embeddings_beside(ckpt: Checkpoint, out: Path):
+    """The embedding tables (2.7 GB of int8 for E2B, ~45 s alone) written by a thread while the block converts the
+    models; yields its Future, whose result() waits for it and raises its error. Converting is mostly Python, which
+    holds the GIL, and the tables are numpy and reads, which let it go: on two cores they cost little wall time,
+    and their blocks are small so they add little to the peak. The thread reads through a Checkpoint of its own
+    (the caller's keeps its file descriptors unshared). If the block fails, the thread stops at its next block."""
+    stop = threading.Event()
+    own = Checkpoint(ckpt.root, ckpt.spec)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="embeddings")
+    try:
+        yield pool.submit(write_embeddings, own, out, stop)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        own.close()
+
+
 def write_sidecars(ckpt: Checkpoint, plan: ChunkPlan, options: ConvertOptions, out: Path, config: dict) -> None:
-    """The host's tables, `config` as model_config.json, and the checkpoint's own files in hf_model/."""
+    """The host's tables but the embeddings (embeddings_beside), `config` as model_config.json, and the
+    checkpoint's own files in hf_model/."""
     spec = ckpt.spec
-    write_rows_int8(ckpt, "embed_tokens.weight", out / layout.EMBED_Q8, out / layout.EMBED_SCALES)
-    write_rows_int8(ckpt, "embed_tokens_per_layer.weight", out / layout.PLE_Q8, out / layout.PLE_SCALES)
     (out / layout.PLE_PROJECTION).write_bytes(ckpt["per_layer_model_projection.weight"].astype("<f2").tobytes())
     published = options.layout == "published"
     norm = ckpt["per_layer_projection_norm.weight"]
