@@ -86,8 +86,10 @@ def test_fills_every_tensor_by_name_in_blocks_of_rows(monkeypatch):
         ({"proj.weight": np.zeros((3, 5))}, r"ckpt: tensor proj.weight has shape \(3, 5\), expected \(5, 3\)"),
         ({"norm.weight": np.array([1, np.nan, 1])}, "ckpt: norm.weight: values beyond the float16 range"),
         ({"norm.weight": np.array([1, 7e4, 1])}, "ckpt: norm.weight: values beyond the float16 range"),
+        ({"norm.weight": np.array([1, -7e4, 1])}, "ckpt: norm.weight: values beyond the float16 range"),
+        ({"norm.weight": np.array([1, -np.inf, 1])}, "ckpt: norm.weight: values beyond the float16 range"),
     ],
-    ids=["missing", "shape", "nan", "fp16"],
+    ids=["missing", "shape", "nan", "fp16", "-fp16", "-inf"],
 )
 def test_refuses_a_tensor_by_name(edit, needle):
     tensors = {k: v for k, v in {**weights(), **edit}.items() if v is not None}

@@ -65,11 +65,8 @@ def kmeans_lut(
     # Groups are independent: run them in blocks so the [groups, codes] prefix tables stay within
     # `block_bins` entries (the LM head has 8192 groups; all at once would need ~6 GB).
     present = np.zeros(_CODES, bool)
-    for r in range(0, out, max(1, (1 << 22) // cols)):  # in blocks: key arrays of the LM head are GBs
-        present |= (
-            np.bincount(_KEY_NP[w16[r : r + max(1, (1 << 22) // cols)].view(np.uint16)].reshape(-1), minlength=_CODES)
-            > 0
-        )
+    for r in range(0, out, max(1, (1 << 22) // cols)):  # in blocks: bincount's int64 copy of the LM head is GBs
+        present |= np.bincount(w16[r : r + max(1, (1 << 22) // cols)].view(np.uint16).reshape(-1), minlength=_CODES) > 0
     # ... and so that a block's per-weight temporaries (~21 bytes a weight) stay within `block_values` weights: a
     # weight born in bf16 has few distinct fp16 codes, and the bins bound alone let a block take half the LM head
     # (~4 GB of temporaries, measured as the converter's peak). Blocks hold whole groups: the result is the same.
@@ -90,13 +87,15 @@ def _kmeans_block(w16: np.ndarray, nbits: int, group_size: int, max_iter: int):
     k, G, n = 1 << nbits, out // group_size, group_size * cols
     # Only the fp16 codes that occur anywhere in the weight get a bin (typically a third of them);
     # one flat bin per (group, code) then lets a single bincount build every group's histogram.
-    keys = _KEY_NP[w16.view(np.uint16).reshape(G, n)]
-    present = np.bincount(keys.reshape(-1), minlength=_CODES) > 0
+    codes = w16.view(np.uint16).reshape(G, n)
+    present = np.zeros(_CODES, bool)  # by order key
+    present[_KEY_NP] = np.bincount(codes.reshape(-1), minlength=_CODES) > 0
     local = (np.cumsum(present) - 1).astype(np.int32)
     C = int(present.sum())
     values = _VALUES[torch.from_numpy(present)]
     values_np = values.numpy()
-    flat = torch.from_numpy(local[keys] + (np.arange(G, dtype=np.int32) * C)[:, None])
+    # each weight's bin, its code's rank among the codes present (one gather through a 64 K-entry table)
+    flat = torch.from_numpy(local[_KEY_NP][codes] + (np.arange(G, dtype=np.int32) * C)[:, None])
     counts = torch.bincount(flat.reshape(-1), minlength=G * C).reshape(G, C)
     # prefix[g, j] = total over the j smallest codes (count, and sum of values)
     ccount = torch.zeros(G, C + 1, dtype=torch.int64)
@@ -163,7 +162,7 @@ def _kmeans_block(w16: np.ndarray, nbits: int, group_size: int, max_iter: int):
     bounds = _search(values_np, (lut64[:, 1:] + lut64[:, :-1]) / 2)
     marks = torch.zeros(G, C + 1, dtype=torch.int16).scatter_add_(1, bounds, torch.ones_like(bounds, dtype=torch.int16))
     cluster_of_code = torch.cumsum(marks[:, :C], dim=1).to(torch.uint8)
-    indices = cluster_of_code.reshape(-1)[flat.reshape(-1).long()].reshape(out, cols).numpy()
+    indices = torch.index_select(cluster_of_code.reshape(-1), 0, flat.reshape(-1)).reshape(out, cols).numpy()
     return lut.numpy().reshape(G, 1, k, 1), indices
 
 
