@@ -652,3 +652,21 @@ def test_the_server_drafts_for_every_request(bundle16, monkeypatch):
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"draft_tokens={K + 1}: this bundle verifies at most {K} drafts a call" in r.stderr
+
+
+def test_a_prompt_cache_file_is_reused_with_a_drafter(e2b_full16, tmp_path):
+    """The rings' newest write travels with a prompt cache file: loaded into a drafter's bundle, the cached prompt is
+    reused but its last token (was 0: restore assumed a verify batch of rejected drafts past the prompt, which
+    `reuse` could not rewind into), and the answer is the one computed from scratch."""
+    from gemma_ane.runtime.model import load
+
+    prompt = "the cat sat on the mat and the dog sat on the rug"
+    model = load(e2b_full16, backend="mil")
+    first = model.generate(prompt, raw=True, max_tokens=6, temperature=0, draft_tokens=3)
+    assert model.engine.verify_batch is not None and first.tokens_per_verify >= 1  # the drafter ran
+    path = tmp_path / "cache.npz"
+    model.save_prompt_cache(path, first.prompt_tokens)
+    other = load(e2b_full16, backend="mil")
+    assert other.load_prompt_cache(path) == first.prompt_tokens
+    again = other.generate(prompt, raw=True, max_tokens=6, temperature=0, draft_tokens=3)
+    assert again.reused_tokens == first.prompt_tokens - 1 and again.tokens == first.tokens

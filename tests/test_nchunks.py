@@ -223,6 +223,10 @@ def test_the_engine_refuses_a_stateful_chunk_after_a_stateless_one(tiny_e2b):
 
 CONTEXT, K = 256, 3
 PROMPT = "the cat sat on the mat and"
+# Each preset converted at one count besides the default three (each conversion costs a minute of the suite): the
+# graph tests above prove every count of SPLITS for both presets; these prove the packages, e2b-mini's with the
+# drafter and the vision model at four chunks, e4b-mini's at six.
+BUNDLED = {"e2b-mini": 4, "e4b-mini": 6}
 # fp16 programs against fp16 programs (cut elsewhere, or a verify batch against decode steps): the logit error
 # bound the drafter's tests use (tests/test_drafter.py)
 ERR = 0.25
@@ -239,22 +243,22 @@ def _bundle(factory, name, ckpt, split, **options):
 
 @pytest.fixture(scope="module")
 def e2b_bundles(pair, tmp_path_factory, request):
-    """e2b-mini with its drafter and its vision model at 3, 4 and 6 chunks (fp16 weights, 70 soft tokens): the
+    """e2b-mini with its drafter and its vision model at 3 and BUNDLED's chunks (fp16 weights, 70 soft tokens): the
     three-chunk bundle is conftest's (SPLITS' 3 is the default split, K the default draft count). Asked for after
     this file's own: meanwhile the other worker may be converting it for a file of its own."""
     ckpt, asst = pair
     options = {"assistant": str(asst), "draft_tokens": K, "vision": True, "image_tokens": 70}
-    more = {
-        n: _bundle(tmp_path_factory, f"e2b{n}", ckpt, s, **options) for n, s in SPLITS["e2b-mini"].items() if n != 3
-    }
+    n = BUNDLED["e2b-mini"]
+    more = {n: _bundle(tmp_path_factory, f"e2b{n}", ckpt, SPLITS["e2b-mini"][n], **options)}
     return ckpt, {3: request.getfixturevalue("e2b_full16"), **more}
 
 
 @pytest.fixture(scope="module")
 def e4b_bundles(tiny_e4b, tmp_path_factory, request):
-    """e4b-mini at 3, 4 and 6 chunks: the three-chunk bundle is conftest's (SPLITS' 3 is the default split), asked
+    """e4b-mini at 3 and BUNDLED's chunks: the three-chunk bundle is conftest's (SPLITS' 3 is the default split), asked
     for last as e2b_bundles' is."""
-    more = {n: _bundle(tmp_path_factory, f"e4b{n}", tiny_e4b, s) for n, s in SPLITS["e4b-mini"].items() if n != 3}
+    n = BUNDLED["e4b-mini"]
+    more = {n: _bundle(tmp_path_factory, f"e4b{n}", tiny_e4b, SPLITS["e4b-mini"][n])}
     return tiny_e4b, {3: request.getfixturevalue("e4b_bundle16"), **more}
 
 
@@ -273,29 +277,29 @@ def _greedy(bundle, prompt, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [4, 6])
-def test_n_chunk_bundles_match_transformers_and_the_three_chunk_bundle(e2b_bundles, e4b_bundles, n):
+@pytest.mark.parametrize("preset", ["e2b-mini", "e4b-mini"])
+def test_n_chunk_bundles_match_transformers_and_the_three_chunk_bundle(request, preset):
     from margins import assert_greedy_prefix
 
     from gemma_ane.bundle import read_model_config
     from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
 
-    for ckpt, bundles in (e2b_bundles, e4b_bundles):
-        config = read_model_config(bundles[n])
-        assert [c["name"] for c in config["chunks"]] == [f"chunk_{i + 1}" for i in range(n)]
-        assert "chunks" not in read_model_config(bundles[3])  # the published layout's model_config.json
-        for path in ("all", "generate"):
-            r = verify_bundle(ckpt, bundles[n], tokens=96, precision="fp16", prompt_len=13, prompt_path=path)
-            assert r["top1_agreement"] >= FP16_MIN_TOP1 and r["min_cosine"] >= FP16_MIN_COSINE, (path, r)
-        prompt = [2, *range(40, 70)]
-        ref, ref_rows = _greedy(bundles[3], prompt, 40)
-        ours, _ = _greedy(bundles[n], prompt, 40)
-        assert_greedy_prefix(ours, ref, ref_rows, ERR, min_steps=20, where=f"{n} chunks")
+    n = BUNDLED[preset]
+    ckpt, bundles = request.getfixturevalue("e2b_bundles" if preset == "e2b-mini" else "e4b_bundles")
+    config = read_model_config(bundles[n])
+    assert [c["name"] for c in config["chunks"]] == [f"chunk_{i + 1}" for i in range(n)]
+    assert "chunks" not in read_model_config(bundles[3])  # the published layout's model_config.json
+    for path in ("all", "generate"):
+        r = verify_bundle(ckpt, bundles[n], tokens=96, precision="fp16", prompt_len=13, prompt_path=path)
+        assert r["top1_agreement"] >= FP16_MIN_TOP1 and r["min_cosine"] >= FP16_MIN_COSINE, (path, r)
+    prompt = [2, *range(40, 70)]
+    ref, ref_rows = _greedy(bundles[3], prompt, 40)
+    ours, _ = _greedy(bundles[n], prompt, 40)
+    assert_greedy_prefix(ours, ref, ref_rows, ERR, min_steps=20, where=f"{n} chunks")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [4, 6])
-def test_n_chunk_bundles_with_an_image_and_drafts(e2b_bundles, n):
+def test_n_chunk_bundles_with_an_image_and_drafts(e2b_bundles):
     """An image prompt against transformers, and greedy generation with the drafter's verify calls equal to plain
     greedy and to the three-chunk bundle's."""
     from margins import assert_greedy_prefix
@@ -305,6 +309,7 @@ def test_n_chunk_bundles_with_an_image_and_drafts(e2b_bundles, n):
     from gemma_ane.runtime.model import load
 
     ckpt, bundles = e2b_bundles
+    n = BUNDLED["e2b-mini"]
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 80, 3), np.uint8))
     r = verify_bundle(ckpt, bundles[n], tokens=16, prompt_len=6, images=[image])
     assert r["image_tokens"] > 0 and r["top1_agreement"] >= FP16_MIN_TOP1 and r["min_cosine"] >= FP16_MIN_COSINE, r

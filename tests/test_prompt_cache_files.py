@@ -37,6 +37,7 @@ class Engine:
     """What prompt_cache reads of an engine: its geometry, and tokens and caches to save or restore."""
 
     context, window = CONTEXT, WINDOW
+    ring = WINDOW + 2  # a drafter's verify batch of 2: rejected drafts may reach 2 positions past the tokens
 
     def __init__(self, tokens=()):
         self.chunks = [Chunk(s) for s in STATES]
@@ -55,8 +56,11 @@ class Engine:
             for s in STATES
         ]
 
-    def restore(self, tokens, caches):
-        self.restored = (tokens, caches)
+    def ring_top_at(self, position):
+        return position  # one rejected draft past the tokens
+
+    def restore(self, tokens, caches, top=None):
+        self.restored = (tokens, caches, top)
 
 
 def arrays_of(path) -> dict:
@@ -74,8 +78,8 @@ def good(tmp_path):
 def test_a_file_round_trips(good):
     engine = Engine()
     assert load(good, engine, BUNDLE) == 5
-    tokens, caches = engine.restored
-    assert tokens == [2, 10, 11, 12, 13]
+    tokens, caches, top = engine.restored
+    assert tokens == [2, 10, 11, 12, 13] and top == 5  # the rings' newest write travels with them
     want = Engine().caches(5)
     for got, expected in zip(caches, want):
         assert got.keys() == expected.keys()
@@ -157,6 +161,16 @@ def malformed(good, tmp_path):
             rewrite(good, out / "f.npz", {"meta.npy": save_npy(np.array(json.dumps({"format": 1})))}),
             "bundle",
             "made for another bundle",
+        ),
+        "ring_top past a verify batch": (
+            rewrite(good, out / "top1.npz", {"meta.npy": save_npy(np.array(json.dumps({**meta, "ring_top": 7})))}),
+            "ring_top",
+            "ring_top 7, expected an integer from 4 to 6",
+        ),
+        "ring_top a string": (
+            rewrite(good, out / "top2.npz", {"meta.npy": save_npy(np.array(json.dumps({**meta, "ring_top": "5"})))}),
+            "ring_top",
+            "expected an integer",
         ),
         "tokens 0-d": (rewrite(good, out / "g.npz", {"tokens.npy": save_npy(np.array(5))}), "tokens", "got []"),
         "tokens 2-D": (

@@ -462,9 +462,18 @@ class Engine:
             for c, s, r in zip(self.chunks, self.states, rings)
         ]
 
-    def restore(self, tokens: list[int], caches: list[dict[str, np.ndarray]]) -> None:
+    def ring_top_at(self, position: int) -> int:
+        """The newest position written into the rings that `caches(position)` returns (see ring_top)."""
+        if position == self.position:
+            return self.ring_top
+        return next(s.top for s in self.snapshots if s.position == position)
+
+    def restore(self, tokens: list[int], caches: list[dict[str, np.ndarray]], top: int | None = None) -> None:
         """Start over from what `caches(len(tokens))` returned for these tokens (e.g. in another
-        process): fresh states with those rows and rings written in, and a snapshot at their end."""
+        process): fresh states with those rows and rings written in, and a snapshot at their end.
+        `top`: what `ring_top_at` said of those rings; unknown, the worst case is assumed (a verify
+        batch's rejected drafts past the position), which with a drafter keeps `reuse` from
+        rewinding into them: the cached prompt itself would be reused from 0."""
         self.reset()
         for chunk, state, arrays in zip(self.chunks, self.states, caches):
             for name, a in arrays.items():
@@ -472,8 +481,7 @@ class Engine:
                     a = np.concatenate([a, chunk.read_state(state, name)[:, :, a.shape[2] :]], axis=2)
                 chunk.write_state(state, name, a)
         self.position, self.tokens = len(tokens), [int(t) for t in tokens]
-        # the rings may hold rows of rejected drafts past the position: at most a verify batch's
-        self.ring_top = self.position - 1 + (self.ring - self.window)
+        self.ring_top = self.position - 1 + (self.ring - self.window) if top is None else top
         self._snapshot()
 
     def _read_rings(self) -> list[dict]:

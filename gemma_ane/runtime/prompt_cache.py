@@ -4,9 +4,11 @@ processed once across processes (as mlx-lm's prompt cache files and llama.cpp's 
 A file is a numpy .npz archive of exactly these members:
 - `tokens` int64 [n]: the ids whose K/V it holds, positions 0..n-1 (an image's soft tokens: their negative
   keys, encoder.soft_keys; files from before images hold int32);
-- `meta`: JSON text: {"format": 1, "bundle": the bundle's fingerprint, "context", "window", "images"}, where
-  "images" maps the picture number of every soft token in `tokens` to its identity (hex): numbers are the
-  saving process's (encoder.media_number), so a load maps each key to this process's number for the same picture;
+- `meta`: JSON text: {"format": 1, "bundle": the bundle's fingerprint, "context", "window", "images",
+  "ring_top"}, where "images" maps the picture number of every soft token in `tokens` to its identity (hex):
+  numbers are the saving process's (encoder.media_number), so a load maps each key to this process's number for the
+  same picture; "ring_top" is the newest position the saved rings hold (Engine.ring_top_at: past n - 1 only by
+  rejected drafts; files from before it lack it, and the worst case is then assumed);
 - `chunk_K/NAME`: chunk K's state NAME: the ring whole, a full cache's first n slots (axis 2).
 A file made for another bundle (other weights, context or window) is refused, never misread.
 
@@ -74,7 +76,11 @@ def save(path, engine: Engine, position: int, bundle: str) -> None:
     unknown = [n for n, identity in images.items() if identity is None]
     if unknown:  # keys that encoder.soft_keys did not make in this process: nothing could map them back
         raise PromptCacheError(f"{path}: tokens hold soft-token keys of no known image (number {unknown[0]})")
-    meta = {**_meta(engine, bundle), "images": {n: identity.hex() for n, identity in images.items()}}
+    meta = {
+        **_meta(engine, bundle),
+        "images": {n: identity.hex() for n, identity in images.items()},
+        "ring_top": engine.ring_top_at(position),
+    }
     arrays = {"tokens": np.asarray(tokens, np.int64)}
     for k, chunk in enumerate(engine.caches(position), 1):
         arrays.update({f"chunk_{k}/{name}": a for name, a in chunk.items()})
@@ -101,8 +107,17 @@ def load(path, engine: Engine, bundle: str) -> int:
             field = f"chunk_{k + 1}/{name}"
             shape = list(t["shape"]) if name == RING else [*t["shape"][:2], n, *t["shape"][3:]]
             caches[k][name] = _read_state(z, members[field], path, field, shape, t["dtype"])
-    engine.restore(tokens, caches)
+    engine.restore(tokens, caches, _ring_top(meta, n, engine, path))
     return n
+
+
+def _ring_top(meta: dict, n: int, engine: Engine, path) -> int | None:
+    """The meta's ring_top: the rings hold positions n - 1 up to a verify batch's rejected drafts past them."""
+    top = meta.get("ring_top")
+    lo, hi = n - 1, n - 1 + engine.ring - engine.window
+    if top is not None and (type(top) is not int or not lo <= top <= hi):
+        raise PromptCacheError(f"{path}: meta: ring_top {top!r}, expected an integer from {lo} to {hi}")
+    return top
 
 
 def _open(path) -> zipfile.ZipFile:
