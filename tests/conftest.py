@@ -137,15 +137,10 @@ def tiny_bundle16(tiny_e2b, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vision_bundle(tiny_e2b, tmp_path_factory) -> Path:
-    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text). Not
-    e2b_full16 (the same with a drafter): a drafter bundle's prompt cache file is not reused after loading
-    (test_image_prompts' cache tests)."""
-
-    def build(d: Path):
-        _convert(tiny_e2b, d / "bundle", bits=16, context=256, vision=True, image_tokens=70)
-
-    return built_once(tmp_path_factory, "vision_bundle", build) / "bundle"
+def vision_bundle(e2b_full16) -> Path:
+    """16-bit chunks and vision model, 70 soft tokens per image, a context of 256 (two images and text): e2b_full16,
+    whose drafter drafts only when a test asks (`draft_tokens`), so a conversion of its own would repeat it."""
+    return e2b_full16
 
 
 @pytest.fixture(scope="session")
