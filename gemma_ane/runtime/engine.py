@@ -466,7 +466,10 @@ class Engine:
         """The newest position written into the rings that `caches(position)` returns (see ring_top)."""
         if position == self.position:
             return self.ring_top
-        return next(s.top for s in self.snapshots if s.position == position)
+        top = next((s.top for s in self.snapshots if s.position == position), None)
+        if top is None:
+            raise InputError(f"no caches of exactly {position} tokens here (position {self.position})")
+        return top
 
     def restore(self, tokens: list[int], caches: list[dict[str, np.ndarray]], top: int | None = None) -> None:
         """Start over from what `caches(len(tokens))` returned for these tokens (e.g. in another

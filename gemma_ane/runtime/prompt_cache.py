@@ -76,14 +76,14 @@ def save(path, engine: Engine, position: int, bundle: str) -> None:
     unknown = [n for n, identity in images.items() if identity is None]
     if unknown:  # keys that encoder.soft_keys did not make in this process: nothing could map them back
         raise PromptCacheError(f"{path}: tokens hold soft-token keys of no known image (number {unknown[0]})")
+    arrays = {"tokens": np.asarray(tokens, np.int64)}
+    for k, chunk in enumerate(engine.caches(position), 1):  # first: it refuses a position it holds no caches of
+        arrays.update({f"chunk_{k}/{name}": a for name, a in chunk.items()})
     meta = {
         **_meta(engine, bundle),
         "images": {n: identity.hex() for n, identity in images.items()},
         "ring_top": engine.ring_top_at(position),
     }
-    arrays = {"tokens": np.asarray(tokens, np.int64)}
-    for k, chunk in enumerate(engine.caches(position), 1):
-        arrays.update({f"chunk_{k}/{name}": a for name, a in chunk.items()})
     buffer = io.BytesIO()
     np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
     write_atomic(path, buffer.getvalue())
