@@ -451,12 +451,7 @@ class Engine:
         """What the caches hold of tokens[:position], per chunk: each full cache's first `position`
         slots (axis 2 is the slot axis, CONTRACT §3) and the rings as they were at `position` (a
         snapshot's, or the current ones at the current position)."""
-        if position == self.position:
-            rings = self._read_rings()
-        else:
-            rings = next((s.rings for s in self.snapshots if s.position == position), None)
-            if rings is None or not 0 < position <= self.position:
-                raise InputError(f"no caches of exactly {position} tokens here (position {self.position})")
+        rings, _ = self._rings_at(position)
         return [
             {**r, **{n: c.read_state(s, n)[:, :, :position] for n in c.interfaces["infer"]["states"] if n != RING}}
             for c, s, r in zip(self.chunks, self.states, rings)
@@ -464,12 +459,16 @@ class Engine:
 
     def ring_top_at(self, position: int) -> int:
         """The newest position written into the rings that `caches(position)` returns (see ring_top)."""
+        return self.ring_top if position == self.position else self._rings_at(position)[1]  # no ring read for it
+
+    def _rings_at(self, position: int) -> tuple[list[dict], int]:
+        """The rings as they were at `position` and their newest write: the current ones, or a snapshot's."""
         if position == self.position:
-            return self.ring_top
-        top = next((s.top for s in self.snapshots if s.position == position), None)
-        if top is None:
+            return self._read_rings(), self.ring_top
+        snap = next((s for s in self.snapshots if s.position == position), None)
+        if snap is None or not 0 < position <= self.position:
             raise InputError(f"no caches of exactly {position} tokens here (position {self.position})")
-        return top
+        return snap.rings, snap.top
 
     def restore(self, tokens: list[int], caches: list[dict[str, np.ndarray]], top: int | None = None) -> None:
         """Start over from what `caches(len(tokens))` returned for these tokens (e.g. in another
