@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job end to end on an embedded tiny model that answers: train a tiny Gemma 4 on a small
-# chat corpus (gemma_ane/oracle/demo_corpus.py), plan it, prove the chunk graph against transformers,
+# The main job end to end on an embedded tiny model that answers: write the tiny Gemma 4 trained on a small
+# chat corpus (gemma_ane/oracle/demo_corpus.py; its weights ship with the package), plan it, prove the chunk graph
+# against transformers,
 # convert it to a Core ML bundle, inspect and audit it, prove the bundle against transformers, and
 # ask it questions whose answers can be checked, one about a picture. Each step says what it proves and how
 # long it took.
@@ -19,7 +20,7 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p "$OUT"
 
-step 2 "a tiny Gemma 4 trained to answer and to caption four pictures (deterministic, 4-5 CPU-minutes, one thread): $OUT/ckpt"
+step 2 "the tiny Gemma 4 trained to answer and to caption four pictures (shipped weights; --train trains anew): $OUT/ckpt"
 gemma-ane tiny "$OUT/ckpt" --preset demo --force
 
 step 3 "the chunk plan: which layers, caches and functions each Core ML chunk gets"
@@ -74,6 +75,6 @@ python -c "from gemma_ane.oracle.demo_corpus import picture; picture('red_square
 gemma-ane generate "$OUT/bundle" --image "$OUT/red_square.png" -p "Describe the picture." --backend mil
 
 echo "    ($((SECONDS - STEP_START)) s)"
-printf '\nDone in %d s: trained, planned, proven (graph and bundle) against transformers, converted, audited and\n' \
+printf '\nDone in %d s: written, planned, proven (graph and bundle) against transformers, converted, audited and\n' \
   $((SECONDS - T0))
 echo "answered. The bundle is $OUT/bundle; activate the environment with: source .venv/bin/activate"

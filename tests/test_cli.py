@@ -192,6 +192,8 @@ def test_tiny_writes_refuses_to_overwrite_and_forces(capsys, tmp_path, tiny_e2b)
     [
         (["--preset", "nope"], ["'nope'", "e2b-mini", "gqa-mini"]),
         (["--shards", "0"], ["--shards 0"]),
+        (["--preset", "demo", "--seed", "3"], ["--seed 3", "seed 0", "--train"]),
+        (["--preset", "e2b-mini", "--train"], ["--train", "demo", "e2b-mini"]),
     ],
 )
 def test_tiny_bad_options(capsys, tmp_path, args, needles):

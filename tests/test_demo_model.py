@@ -263,3 +263,43 @@ def test_the_demo_bundle_passes_the_audit_and_the_image_proof(demo_ckpt, demo_bu
     assert proof["passed"], {k: v for k, v in proof.items() if not isinstance(v, (list, dict))}
     # the bound test_the_converted_demo_bundle_describes_each_picture holds the captions' margins to
     assert proof["max_abs_logit_diff"] < FP16_LOGIT_ERR
+
+
+def _language_model(ckpt) -> dict:
+    from safetensors.numpy import load_file
+
+    prefix = "model.language_model."
+    return {k[len(prefix) :]: v for k, v in load_file(ckpt / "model.safetensors").items() if k.startswith(prefix)}
+
+
+def test_the_demo_checkpoint_holds_the_shipped_weights(demo_ckpt):
+    """`gemma-ane tiny --preset demo` writes the weights trained once and shipped (tiny_train.WEIGHTS), not a
+    training of its own: a trained model's bytes depend on the CPU's float kernels."""
+    from safetensors.numpy import load_file
+
+    from gemma_ane.oracle.tiny_train import WEIGHTS
+
+    shipped, written = load_file(WEIGHTS), _language_model(demo_ckpt)
+    assert set(written) == set(shipped)
+    assert all(np.array_equal(written[k], shipped[k]) for k in shipped)
+
+
+@pytest.mark.slow
+def test_train_trains_the_demo_anew_from_its_seed(tmp_path, monkeypatch):
+    """--train runs tiny_train.train from --seed (two steps here: the whole run is the same loop) instead of
+    reading the shipped weights; save_trained (how the shipped file is made) writes those same weights."""
+    from safetensors.numpy import load_file
+
+    from gemma_ane.oracle import tiny_train
+    from gemma_ane.oracle.tiny import build_model, write_tiny
+
+    real = tiny_train.train
+    monkeypatch.setattr(tiny_train, "train", lambda model, vocab_size: real(model, vocab_size, steps=2))
+    written = _language_model(write_tiny(tmp_path / "ckpt", preset="demo", seed=3, train=True))
+    model = build_model("demo", seed=3)
+    real(model, text_config("demo")["vocab_size"], steps=2)
+    tiny_train.save_trained(model, tmp_path / "lm.safetensors")
+    saved = load_file(tmp_path / "lm.safetensors")
+    assert set(saved) == set(written) and all(np.array_equal(written[k], saved[k]) for k in saved)
+    shipped = load_file(tiny_train.WEIGHTS)
+    assert not np.array_equal(written["embed_tokens.weight"], shipped["embed_tokens.weight"])

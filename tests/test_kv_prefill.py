@@ -84,7 +84,12 @@ def test_after_a_rewind(bundle):
 def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
     import torch
 
-    model = gemma_ane.load(bundle, backend="mil")
+    # The executor computes in fp32 (the bundle's fp16 weights stay its only rounding): what is proven is the
+    # KV-only prefill and the rings past the window. fp16 arithmetic on this random model is chaotic enough that its
+    # error depends on the CPU's BLAS kernels (measured err 0.13 with OpenBLAS's Haswell kernels, as on an AMD EPYC,
+    # 0.37 with its SkylakeX ones on a Xeon), and at 0.37 the reference's margins are near-ties from step 1; verify's
+    # tests bound fp16's error.
+    model = gemma_ane.load(bundle, backend="mil", precision="fp32")
     # seed 27: of seeds 0-39, the reference's greedy path whose first near-tie comes last (step 9 of 30; the
     # random model's top-two margins are often below 2 x its fp16 error)
     prompt = random_ids(model_spec := Checkpoint(tiny_e2b).spec, 37, seed=27).tolist()
@@ -106,12 +111,13 @@ def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
             return_dict_in_generate=True,
         )
     ref, ref_rows = out.sequences[0, len(ids) :].tolist(), np.stack([s[0].numpy() for s in out.scores])
-    # the error bound, measured: our fp16 executor's rows (gemma_ane.load's precision, generation's prompt path)
+    # the error bound, measured: our executor's rows (the precision generate ran at, generation's prompt path)
     # along the reference's own sequence, penalised alike, against the scores transformers chose from
-    ours_rows = run_engine(open_engine(bundle, "mil", "fp16"), np.asarray(ids + ref), len(ids), "last")
+    ours_rows = run_engine(open_engine(bundle, "mil", "fp32"), np.asarray(ids + ref), len(ids), "last")
     err = float(np.abs(repetition_penalised(ours_rows[: len(ref)], ids, ref, 2.0) - ref_rows).max())
     assert len(ids) + len(ours.tokens) > 2 * model_spec.sliding_window
-    # measured: err 0.13; the reference's margins 1.05, 0.40, 0.76, ... clear until 0.04 at step 9
+    # measured: err 0.09 (the same on both CPUs above); the reference's margins 1.05, 0.40, 0.76, ... clear until
+    # 0.04 at step 9
     assert_greedy_prefix(ours.tokens, ref, ref_rows, err, 9, "kv prefill greedy vs transformers")
 
 

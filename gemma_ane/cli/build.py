@@ -64,9 +64,16 @@ def cmd_plan(a):
 def cmd_tiny(a):
     from ..oracle.tiny import write_tiny
 
-    with step(a, f"writing the {a.preset} checkpoint" + (" (training it: minutes)" if a.preset == "demo" else "")):
+    with step(a, f"writing the {a.preset} checkpoint" + (" (training it: minutes)" if a.train else "")):
         out = write_tiny(
-            a.out, preset=a.preset, seed=a.seed, dtype=a.dtype, shards=a.shards, force=a.force, assistant=a.assistant
+            a.out,
+            preset=a.preset,
+            seed=a.seed,
+            dtype=a.dtype,
+            shards=a.shards,
+            force=a.force,
+            assistant=a.assistant,
+            train=a.train,
         )
     drafter = f", its assistant to {a.assistant}" if a.assistant else ""
     print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}) to {out}{drafter}")
@@ -238,6 +245,11 @@ def add_commands(sub) -> None:
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype on disk")
     s.add_argument("--shards", type=int, default=1, help="safetensors files to spread the weights over")
     s.add_argument("--assistant", metavar="DIR", help="also write a matched drafter (Gemma4AssistantForCausalLM) here")
+    s.add_argument(
+        "--train",
+        action="store_true",
+        help="demo: train it now from --seed (minutes; the bytes depend on the CPU) instead of its shipped weights",
+    )
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
     add_quiet(s)
     s.set_defaults(fn=cmd_tiny)

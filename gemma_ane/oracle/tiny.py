@@ -5,8 +5,9 @@ so that a wrong formula cannot hide: norm weights far from 1, layer scalars far 
 residual stream large enough that a naive fp16 RMSNorm would overflow. Each preset also has a
 matched drafter (Gemma4AssistantForCausalLM) for speculative decoding.
 
-One preset is not random: `demo` is trained for a few CPU minutes on a small chat corpus (tiny_train.py,
-demo_corpus.py) so that the demo answers checkably.
+One preset is not random: `demo` was trained for a few CPU minutes on a small chat corpus (tiny_train.py,
+demo_corpus.py) so that the demo answers checkably; its trained weights ship with the package (`--train` trains
+anew).
 """
 
 from __future__ import annotations
@@ -534,11 +535,17 @@ def write_tiny(
     shards: int = 1,
     force: bool = False,
     assistant: str | os.PathLike | None = None,
+    train: bool = False,
 ) -> Path:
     """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path. With `assistant`,
-    also write its drafter there (Gemma4AssistantForCausalLM, HF layout, one safetensors file)."""
+    also write its drafter there (Gemma4AssistantForCausalLM, HF layout, one safetensors file). A TRAINED preset
+    gets its shipped weights (trained from seed 0), or with `train` is trained now from `seed` (minutes)."""
     import torch
 
+    if preset in TRAINED and seed != 0 and not train:
+        raise InputError(f"--seed {seed}: the shipped {preset} weights were trained from seed 0; add --train to train")
+    if train and preset not in TRAINED:
+        raise InputError(f"--train: only {', '.join(sorted(TRAINED))} is trained; --preset {preset} is drawn at random")
     if dtype not in ("fp32", "bf16"):
         raise InputError(f"--dtype {dtype!r}: choose fp32 or bf16")
     if shards < 1:
@@ -551,10 +558,13 @@ def write_tiny(
     model = build_model(preset, seed)
     vocab_size, corpus = text_config(preset)["vocab_size"], None
     if preset in TRAINED:
-        from .tiny_train import tokenizer_corpus, train
+        from . import tiny_train
 
-        train(model, vocab_size)
-        corpus = tokenizer_corpus()
+        if train:
+            tiny_train.train(model, vocab_size)
+        else:
+            tiny_train.load_trained(model)
+        corpus = tiny_train.tokenizer_corpus()
     with checkpoint_dir(out, vocab_size, corpus, audio=preset in AUDIO_PRESETS) as tmp:
         _save(model, tmp, torch_dtype, shards)
     if assistant is not None:
