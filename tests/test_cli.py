@@ -55,7 +55,7 @@ def shapes(io):
 
 
 def test_plan_json_is_the_published_e2b_contract(capsys):
-    rc, out, err = run(capsys, "plan", E2B, "--json")
+    rc, out, err = run(capsys, "plan", E2B, "--json", "--kv-prefill-batches", "")  # the published functions only
     assert rc == 0 and err == ""
     plan = json.loads(out)
     assert plan["context"] == 2048 and plan["split"] == [8, 25] and plan["prefill_batch"] == 8
@@ -103,6 +103,27 @@ def test_plan_json_is_the_published_e2b_contract(capsys):
     c3_ins = shapes(c3_infer["inputs"])
     assert c3_ins["kv13_k"] == (1, 1, 512, 256) and c3_ins["kv14_v"] == (1, 1, 2048, 512)
     assert "current_pos" not in c3_ins and "ring_pos" not in c3_ins
+
+
+def test_plan_shows_the_functions_convert_builds_by_default(capsys):
+    """Without --kv-prefill-batches, plan shows convert's default: the KV-only prefill batches of 64 and 8 that
+    divide the window (E2B's 512: both)."""
+    rc, out, err = run(capsys, "plan", E2B, "--json")
+    c1, c2 = json.loads(out)["chunks"][:2]
+    assert set(c1["functions"]) == set(c2["functions"]) == {"infer", "prefill_b8", "prefill_kv_b64", "prefill_kv_b8"}
+
+
+@pytest.mark.slow
+def test_plan_shows_what_convert_built(capsys, tiny_e2b, tiny_bundle16):
+    """The same options, the same chunks and functions: plan's JSON against the plan a default conversion states
+    in its manifest (e2b-mini's window of 16 takes the batch of 8 only)."""
+    built = json.loads((tiny_bundle16 / "manifest.json").read_text())["plan"]
+    rc, out, err = run(capsys, "plan", tiny_e2b, "--context", str(built["context"]), "--json")
+    shown = json.loads(out)
+    assert rc == 0 and any("prefill_kv_b8" in c["functions"] for c in shown["chunks"])
+    assert [(c["layers"], c["functions"]) for c in shown["chunks"]] == [
+        (c["layers"], c["functions"]) for c in built["chunks"]
+    ]
 
 
 def test_plan_table_is_readable(capsys):

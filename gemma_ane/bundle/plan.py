@@ -309,6 +309,13 @@ def format_device_cost(cost: list[dict]) -> list[str]:
 
 
 MAX_DRAFT_TOKENS = 31  # verify_b32: the rings' 32 extra slots hold one verify batch's rows (ring_slots)
+KV_BATCHES = (64, 8)  # the KV-only prefill batches a bundle gets unless asked otherwise (default_kv_batches)
+
+
+def default_kv_batches(spec: ModelSpec) -> tuple[int, ...]:
+    """The KV-only prefill batch sizes `convert` builds (and `plan` shows) when none are given: those of KV_BATCHES
+    that divide the sliding window (aligned batches must never wrap the ring: _check_options)."""
+    return tuple(T for T in KV_BATCHES if spec.sliding_window % T == 0)
 
 
 def ring_slots(window: int, draft_tokens: int = 0, kv_batches: tuple[int, ...] = ()) -> int:

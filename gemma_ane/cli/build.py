@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from ..bundle.plan import PROFILES, ChunkPlan, format_device_cost, parse_functions, parse_split, split_for_budget
+from ..bundle.plan import (
+    PROFILES,
+    ChunkPlan,
+    default_kv_batches,
+    format_device_cost,
+    parse_functions,
+    parse_split,
+    split_for_budget,
+)
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json
@@ -47,7 +55,9 @@ def _split_of(a, spec: ModelSpec) -> tuple[int, ...] | None:
 def cmd_plan(a):
     spec = ModelSpec.from_pretrained(a.src)
     functions = parse_functions(a.functions, a.profile)
-    kv = _batches(a.kv_prefill_batches) or ()
+    kv = _batches(a.kv_prefill_batches)
+    if kv is None:  # what convert builds by default
+        kv = default_kv_batches(spec)
     plan = ChunkPlan.build(spec, a.context, a.prefill_batch, _split_of(a, spec), kv_batches=kv, functions=functions)
     if a.json:  # the plan, each chunk's role and weights at --bits, and what its functions would wire
         roles = {r["name"]: r for r in plan.describe(a.bits)}
@@ -229,7 +239,11 @@ def add_commands(sub) -> None:
     s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes (the prefill_bT function)")
     _add_split(s)
     s.add_argument("--bits", type=int, default=4, help="the weights' bits, for the sizes (16: fp16)")
-    s.add_argument("--kv-prefill-batches", help="KV-only prefill batch sizes to plan, e.g. 64,8 (default: none)")
+    s.add_argument(
+        "--kv-prefill-batches",
+        help="KV-only prefill batch sizes to plan, e.g. 64,8 (default: convert's, those of 64,8 that divide the "
+        "window; empty: none)",
+    )
     _add_functions(s)
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=cmd_plan)

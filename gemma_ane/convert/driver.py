@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import __version__
 from ..bundle import BundleError, layout, schema
 from ..bundle.check import write_manifest
-from ..bundle.plan import ChunkPlan
+from ..bundle.plan import ChunkPlan, default_kv_batches
 from ..bundle.spec import ConfigError
 from ..files import FileFormatError, building, is_within
 from . import coreml
@@ -167,7 +167,7 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     ckpt.validate()
     kv = options.kv_prefill_batches
     if kv is None:
-        kv = tuple(T for T in (64, 8) if ckpt.spec.sliding_window % T == 0)
+        kv = default_kv_batches(ckpt.spec)
     if options.layout == "published":
         kv = ()  # the published build knows only infer and prefill_b8
     try:

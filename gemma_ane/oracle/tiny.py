@@ -586,3 +586,11 @@ def _save(model, tmp: Path, torch_dtype, shards: int) -> None:
     model.config.dtype = str(torch_dtype).removeprefix("torch.")
     model.config.architectures = [type(model).__name__]  # as the Hub's configs name it
     model.config.save_pretrained(tmp)
+
+
+if __name__ == "__main__":  # the demo's shipped weights (tiny_train.WEIGHTS) anew: minutes; another CPU, other bytes
+    from . import tiny_train
+
+    demo = build_model("demo")
+    tiny_train.train(demo, text_config("demo")["vocab_size"])
+    tiny_train.save_trained(demo)

@@ -30,7 +30,7 @@ STEPS = 150
 # The demo's language model as train() leaves it from seed 0, shipped with the package. A trained model's bytes
 # depend on the CPU's float kernels (over the steps, torch's AVX-512 and AVX2 paths round differently: the margins
 # above are one seed on two machines), so only shipped weights make the demo answer alike everywhere; it also spares
-# the demo and the tests minutes of training. `python -m gemma_ane.oracle.tiny_train` trains and writes them anew.
+# the demo and the tests minutes of training. `python -m gemma_ane.oracle.tiny` trains and writes them anew.
 WEIGHTS = Path(__file__).with_name("demo_language_model.safetensors")
 LR = 1e-2
 WARMUP = 10
@@ -227,11 +227,3 @@ def margins(model, tokenizer, corpus: list[Example] | None = None) -> list[float
             gap = chosen - others
             out.append(gap.min().item())
     return out
-
-
-if __name__ == "__main__":  # WEIGHTS anew (minutes; on another CPU, other bytes: see WEIGHTS)
-    from .tiny import build_model, text_config
-
-    demo = build_model("demo")
-    train(demo, text_config("demo")["vocab_size"])
-    save_trained(demo)
