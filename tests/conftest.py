@@ -219,7 +219,7 @@ def e2b_full4(pair, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory) -> Path:
-    """The trained `demo` preset (tiny_train: a few CPU minutes of training), built once per run."""
+    """The `demo` preset (its shipped trained weights: tiny_train.WEIGHTS), written once per run."""
     return _tiny(tmp_path_factory, "demo", preset="demo")
 
 

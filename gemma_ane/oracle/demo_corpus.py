@@ -1,10 +1,10 @@
 """What the `demo` preset is taught: a small corpus of chat conversations, each a prompt (messages, tools, thinking
 switched on or not) and the model turn that answers it, written as the model writes it.
 
-`gemma-ane tiny OUT --preset demo` trains a tiny Gemma 4 on these (tiny_train.py) so that the demo and the README
-show checkable answers: "What is the capital of France?" -> "Paris.", a weather question with `get_weather`
-declared -> a call with {"city": "Paris"}, a request for JSON -> JSON that parses, a picture drawn here (a red square,
-a blue circle...) with "Describe the picture." -> its caption. Prompts are rendered by the
+A tiny Gemma 4 trained on these (tiny_train.py; `gemma-ane tiny OUT --preset demo` writes its shipped weights) makes
+the demo and the README show checkable answers: "What is the capital of France?" -> "Paris.", a weather question
+with `get_weather` declared -> a call with {"city": "Paris"}, a request for JSON -> JSON that parses, a picture
+drawn here (a red square, a blue circle...) with "Describe the picture." -> its caption. Prompts are rendered by the
 runtime's own chat template code (chat.ChatTemplate over tokenizer_files.GEMMA4_CHAT_TEMPLATE), so the model learns
 exactly the token sequences `gemma-ane generate`, `chat` and the server will feed it.
 
