@@ -33,3 +33,17 @@ class DeviceError(GemmaAneError, RuntimeError):
 
 class ConversionError(GemmaAneError, ValueError):
     """A config, checkpoint or option the converter cannot turn into a bundle."""
+
+
+# the API's keyword where its command-line flag is spelled otherwise
+FLAG_OF = {"draft_tokens": "--draft"}
+
+
+def as_typed(message: str, flags: set[str]) -> str:
+    """A message that opens with the API's keyword (`max_tokens=-1: ...`, as the Python API raises it), opened with
+    the flag a command-line user typed instead (`--max-tokens -1: ...`) where `flags` (the command's) has one."""
+    name, sep, rest = message.partition("=")
+    if not sep or not name.isidentifier():
+        return message
+    flag = FLAG_OF.get(name, "--" + name.replace("_", "-"))
+    return f"{flag} {rest}" if flag in flags else message

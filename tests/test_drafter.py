@@ -651,7 +651,7 @@ def test_the_server_drafts_for_every_request(bundle16, monkeypatch):
         timeout=120,
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert f"draft_tokens={K + 1}: this bundle verifies at most {K} drafts a call" in r.stderr
+    assert f"--draft {K + 1}: this bundle verifies at most {K} drafts a call" in r.stderr  # the flag typed
 
 
 def test_a_prompt_cache_file_is_reused_with_a_drafter(e2b_full16, tmp_path):

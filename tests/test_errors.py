@@ -215,7 +215,8 @@ BUILD_PARSER = cli.build_parser  # cli_run replaces cli's for one run
 
 def cli_run(argv: list[str], monkeypatch, capsys) -> tuple[int, str, BaseException | None]:
     """`gemma-ane ARGV`: its exit code, its stderr, and the exception its command raised (main prints it)."""
-    args = BUILD_PARSER().parse_args(argv)
+    parser = BUILD_PARSER()
+    args = parser.parse_args(argv)
     command, raised = args.fn, []
 
     def recording(a):
@@ -226,7 +227,8 @@ def cli_run(argv: list[str], monkeypatch, capsys) -> tuple[int, str, BaseExcepti
             raise
 
     args.fn = recording
-    monkeypatch.setattr(cli, "build_parser", lambda: SimpleNamespace(parse_args=lambda _: args))
+    fake = SimpleNamespace(parse_args=lambda _: args, _actions=parser._actions)  # the flags main names in errors
+    monkeypatch.setattr(cli, "build_parser", lambda: fake)
     rc = cli.main(argv)
     out, err = capsys.readouterr()
     assert out == ""
@@ -380,3 +382,14 @@ def test_python_m_gemma_ane_server_prints_any_package_error_as_one_line(monkeypa
     monkeypatch.setattr(server, "_cmd_serve", fails)
     assert server.main(["bundle"]) == FunctionUnavailable.exit_code
     assert capsys.readouterr().err == f"gemma-ane serve: error: {e}\n"
+
+
+def test_an_api_keyword_reads_as_the_flag_typed():
+    """The CLI's and the server's one-line errors name the flag where the Python API names its keyword."""
+    from gemma_ane.errors import as_typed
+
+    flags = {"--draft", "--max-tokens"}
+    assert as_typed("draft_tokens=4: at most 3", flags) == "--draft 4: at most 3"
+    assert as_typed("max_tokens=-1: must be positive", flags) == "--max-tokens -1: must be positive"
+    assert as_typed("top_k=0: must be positive", flags) == "top_k=0: must be positive"  # the command has no --top-k
+    assert as_typed("bundle/x.bin: a=b", flags) == "bundle/x.bin: a=b"

@@ -637,8 +637,8 @@ def test_serve_argument_errors_are_one_line(tmp_path, bundle):
     for args, needle in (
         ([str(tmp_path / "missing")], "not a bundle directory"),
         ([str(bundle), "--backend", "mil", "--prompt-cache", str(tmp_path / "junk.npz")], "junk.npz: not a prompt"),
-        ([str(tmp_path), "--max-queue", "-1"], "max_queue"),
-        ([str(tmp_path), "--port", "70000"], "port"),
+        ([str(tmp_path), "--max-queue", "-1"], "--max-queue -1: must be >= 0"),  # the flag typed, not the keyword
+        ([str(tmp_path), "--port", "70000"], "--port 70000: expected 0..65535"),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "gemma_ane.server.app", *args], capture_output=True, text=True, timeout=60

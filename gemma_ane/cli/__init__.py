@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 
 from .. import __version__, files
-from ..errors import GemmaAneError
+from ..errors import GemmaAneError, as_typed
 from . import build, proof, run
 
 
@@ -86,20 +86,10 @@ def _stoppable():
             signal.signal(s, handler)
 
 
-# the API's keyword where its flag is spelled otherwise
-_FLAG_OF = {"draft_tokens": "--draft"}
-
-
-def _as_typed(message: str, parser: argparse.ArgumentParser, command: str) -> str:
-    """A message that opens with the API's keyword (`max_tokens=-1: ...`, as the Python API raises it) opened with
-    the flag the CLI user typed instead (`--max-tokens -1: ...`)."""
-    name, sep, rest = message.partition("=")
-    if not sep or not name.isidentifier():
-        return message
+def _flags(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The option strings of one subcommand."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    flags = {f for a in sub._actions for f in a.option_strings}
-    flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
-    return f"{flag} {rest}" if flag in flags else message
+    return {f for a in sub._actions for f in a.option_strings}
 
 
 def main(argv=None) -> int:
@@ -126,7 +116,7 @@ def main(argv=None) -> int:
         print(f"gemma-ane {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
     except (GemmaAneError, ValueError, OSError) as e:  # ValueError, OSError: numpy's, the file system's
-        print(f"gemma-ane {args.command}: error: {_as_typed(str(e), parser, args.command)}", file=sys.stderr)
+        print(f"gemma-ane {args.command}: error: {as_typed(str(e), _flags(parser, args.command))}", file=sys.stderr)
         return e.exit_code if isinstance(e, GemmaAneError) else 2
     except ImportError as e:
         if (e.name or "").split(".")[0] not in _OPTIONAL:
