@@ -233,7 +233,7 @@ def test_serve_takes_the_image_limits(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
     assert server.main([str(tmp_path), "--max-images", "-1"]) == 2
-    assert capsys.readouterr().err.strip() == "gemma-ane serve: error: max_images=-1: must be >= 0"
+    assert capsys.readouterr().err.strip() == "gemma-ane serve: error: --max-images -1: must be >= 0"  # the flag typed
 
 
 # -- end to end: a bundle with a vision model -----------------------------------------------------------------
