@@ -39,6 +39,11 @@ class ConversionError(GemmaAneError, ValueError):
 FLAG_OF = {"draft_tokens": "--draft"}
 
 
+def option_strings(parser) -> set[str]:
+    """Every flag an argparse parser (or subparser) takes: the `flags` as_typed may name."""
+    return {f for action in parser._actions for f in action.option_strings}
+
+
 def as_typed(message: str, flags: set[str]) -> str:
     """A message that opens with the API's keyword (`max_tokens=-1: ...`, as the Python API raises it), opened with
     the flag a command-line user typed instead (`--max-tokens -1: ...`) where `flags` (the command's) has one."""

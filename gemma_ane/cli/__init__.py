@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 
 from .. import __version__, files
-from ..errors import GemmaAneError, as_typed
+from ..errors import GemmaAneError, as_typed, option_strings
 from . import build, proof, run
 
 
@@ -88,8 +88,9 @@ def _stoppable():
 
 def _flags(parser: argparse.ArgumentParser, command: str) -> set[str]:
     """The option strings of one subcommand."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    return {f for a in sub._actions for f in a.option_strings}
+    return option_strings(
+        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    )
 
 
 def main(argv=None) -> int:

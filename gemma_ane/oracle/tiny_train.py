@@ -26,14 +26,14 @@ from .tokenizer_files import GEMMA4_CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_MEDIA_TO
 # 125 the smallest answer margin was above 6 on an AMD EPYC and 2.2 on a Xeon; at 150, 6.1 on the Xeon (the shipped
 # weights; test_demo_model wants 4).
 STEPS = 150
+LR = 1e-2
+WARMUP = 10
 
 # The demo's language model as train() leaves it from seed 0, shipped with the package. A trained model's bytes
 # depend on the CPU's float kernels (over the steps, torch's AVX-512 and AVX2 paths round differently: the margins
 # above are one seed on two machines), so only shipped weights make the demo answer alike everywhere; it also spares
 # the demo and the tests minutes of training. `python -m gemma_ane.oracle.tiny` trains and writes them anew.
 WEIGHTS = Path(__file__).with_name("demo_language_model.safetensors")
-LR = 1e-2
-WARMUP = 10
 
 # The attention's temperature: Gemma 4 does not scale attention, so the q/k norm weights bound the scores (transformers'
 # initial 1.0: up to head_dim, 64). Trained at 1.0, the model reads a picture's many near-alike soft tokens with

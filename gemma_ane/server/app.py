@@ -38,7 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import GemmaAneError, InputError, as_typed
+from ..errors import GemmaAneError, InputError, as_typed, option_strings
 from . import fetch
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
@@ -471,10 +471,7 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except (GemmaAneError, ValueError, OSError) as e:  # one line and the class's exit code, as the CLI does
-        print(
-            f"gemma-ane serve: error: {as_typed(str(e), {f for x in p._actions for f in x.option_strings})}",
-            file=sys.stderr,
-        )
+        print(f"gemma-ane serve: error: {as_typed(str(e), option_strings(p))}", file=sys.stderr)
         return e.exit_code if isinstance(e, GemmaAneError) else 2
 
 
