@@ -85,6 +85,8 @@ def write_rows_int8(ckpt: Checkpoint, name: str, q_path: Path, scale_path: Path,
     (each row is quantised alone: the block changes no byte); `stop` (a threading.Event) ends it between blocks."""
     rows, cols = ckpt.shape_of(name)
     block = max(1, BLOCK_BYTES // (4 * cols))
+    if stop is not None and stop.is_set():  # not even the files: the directory may be on its way out
+        return
     with open(q_path, "wb") as fq, open(scale_path, "wb") as fs:
         for start in range(0, rows, block):
             if stop is not None and stop.is_set():
@@ -111,13 +113,25 @@ def embeddings_beside(ckpt: Checkpoint, out: Path):
     holds the GIL, and the tables are numpy and reads, which let it go: on two cores they cost little wall time,
     and their blocks are small so they add little to the peak. The thread reads through a Checkpoint of its own
     (the caller's keeps its file descriptors unshared). If the block fails, the thread stops at its next block."""
-    stop = threading.Event()
+    stop, go = threading.Event(), threading.Event()
     own = Checkpoint(ckpt.root, ckpt.spec)
     pool = ThreadPoolExecutor(1, thread_name_prefix="embeddings")
+
+    def gated():
+        # A signal inside submit() (Thread.start waits for the thread) can leave a thread the pool does not know,
+        # so shutdown() does not join it: it must not write into a directory the caller is removing. It starts on
+        # `go`, which follows `stop` whenever the block fails.
+        go.wait()
+        if not stop.is_set():
+            write_embeddings(own, out, stop)
+
     try:
-        yield pool.submit(write_embeddings, own, out, stop)
+        future = pool.submit(gated)
+        go.set()
+        yield future
     except BaseException:
         stop.set()
+        go.set()
         raise
     finally:
         pool.shutdown(wait=True)
