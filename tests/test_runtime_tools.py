@@ -233,9 +233,9 @@ def test_constraints_that_leave_no_first_token_are_refused_before_generation(
     with pytest.raises(SamplingError) as e:
         next(flat.stream_generate(messages=ASK, temperature=temperature, max_tokens=5, **kw))
     assert (e.value.param, str(e.value)) == (param, message)
-    flat.check_constraints(**{k: v for k, v in kw.items() if k != "logit_bias"})  # without the bans: fine
+    flat.prepare(messages=ASK, **{k: v for k, v in kw.items() if k != "logit_bias"})  # without the bans: fine
     with pytest.raises(SamplingError) as e:
-        flat.check_constraints(**kw)  # what the server asks before a request queues
+        flat.prepare(messages=ASK, **kw)  # what the server asks before a request queues
     assert (e.value.param, str(e.value)) == (param, message)
 
 

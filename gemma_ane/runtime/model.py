@@ -525,21 +525,6 @@ class Model:
         tokenizer = self.root / layout.HF_TOKENIZER
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
-    def check_constraints(
-        self,
-        tools=None,
-        tool_choice="auto",
-        parallel_tool_calls=True,
-        response_format=None,
-        enable_thinking=False,
-        logit_bias=None,
-    ) -> None:
-        """Refuses what stream_generate would refuse before its first token because its constraints leave no
-        token to draw (the grammar's first tokens all banned, or a grammar this tokenizer cannot spell): for
-        the server, which checks a request before it queues. A ToolError, GrammarError or SamplingError."""
-        tools = check_tools(tools) if tools is not None else None
-        self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, logit_bias)
-
     def _rule(self, tools, tool_choice, parallel: bool, response_format, thinking: bool, logit_bias) -> _Rule:
         """What this generation may draw (`tools` already checked): its grammar compiled, tool_choice "none"'s
         ban, logit_bias's; refused (see _Rule.check_start) when that leaves no first token."""
