@@ -14,6 +14,7 @@ from PIL import Image
 
 from gemma_ane import load
 from gemma_ane.bundle import BundleError, check_bundle, inspect_bundle, read_model_config
+from gemma_ane.errors import InputError
 from gemma_ane.oracle.tokenizer_files import TINY_MEDIA_TOKENS
 from gemma_ane.oracle.verify import FP16_MIN_COSINE, FP16_MIN_TOP1, verify_bundle
 from gemma_ane.runtime.encoder import soft_keys
@@ -68,6 +69,17 @@ def test_image_prompts_match_transformers_at_every_position(tiny_e2b, vision_bun
     assert report["image_tokens"] >= 40 * len(names)  # every image resized up to the 70-token budget
     assert report["positions"] == 16 + report["image_tokens"] + 2 * len(names)
     assert report["top1_agreement"] >= FP16_MIN_TOP1 and report["min_cosine"] >= FP16_MIN_COSINE, report
+
+
+def test_verify_refuses_media_the_bundle_has_no_model_for(tiny_e2b, tiny_bundle16, images):
+    """A text-only bundle (tiny presets convert no audio tower) asked to prove an image or a clip: one line naming
+    the flag, before either side runs."""
+    for kind, name in (("images", "vision"), ("audio", "audio")):
+        flag = "--image" if kind == "images" else "--audio"
+        with pytest.raises(InputError, match=f"^{flag}: .* has no {name} model"):
+            verify_bundle(tiny_e2b, tiny_bundle16, tokens=16, **{kind: [images["wide"]]})
+    with pytest.raises(InputError, match="one kind of media a run"):
+        verify_bundle(tiny_e2b, tiny_bundle16, images=[images["wide"]], audio=[images["wide"]])
 
 
 def test_image_prompts_through_kv_only_prefill_match_transformers(tiny_e2b, vision_bundle, images):

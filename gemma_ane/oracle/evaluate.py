@@ -142,8 +142,6 @@ def evaluate(
     """KL divergence, top-1 agreement and perplexities of `bundle` against transformers over the text in
     `text_path` (see the module's docstring for the windows). `context` defaults to the bundle's, `stride` to half
     of it."""
-    from tqdm import tqdm
-
     from ..bundle import read_model_config
     from ..runtime.backend import open_engine
     from .verify import oracle_model
@@ -176,8 +174,25 @@ def evaluate(
             f"--text {text_path}: {len(ids)} tokens, shorter than one window (--context {context}: BOS and "
             f"{context - 1} tokens)"
         )
+    kld, agree, nll_ref, nll_ours = _score(engine, oracle_model(ckpt), ids, context, stride, progress)
+    return {
+        "tokens": int(kld.size),
+        "context": context,
+        "stride": stride,
+        "precision": precision,
+        "kld_mean": float(kld.mean()),
+        "kld_p99": float(np.percentile(kld, 99)),
+        "kld_max": float(kld.max()),
+        "top1_agreement": float(agree.mean()),
+        "ppl_reference": float(np.exp(nll_ref.mean())),
+        "ppl_bundle": float(np.exp(nll_ours.mean())),
+    }
 
-    model = oracle_model(ckpt)
+
+def _score(engine, model, ids: list[int], context: int, stride: int, progress: bool) -> tuple[np.ndarray, ...]:
+    """Every scored token's KL divergence, top-1 agreement and the two negative log-likelihoods, window by window."""
+    from tqdm import tqdm
+
     kld, agree, nll_ref, nll_ours = [], [], [], []
     bar = tqdm(total=len(ids), unit="tok", disable=not progress, desc="eval", leave=False)
     try:
@@ -198,16 +213,4 @@ def evaluate(
             bar.update(len(target))
     finally:
         bar.close()
-    kld = np.concatenate(kld)
-    return {
-        "tokens": int(kld.size),
-        "context": context,
-        "stride": stride,
-        "precision": precision,
-        "kld_mean": float(kld.mean()),
-        "kld_p99": float(np.percentile(kld, 99)),
-        "kld_max": float(kld.max()),
-        "top1_agreement": float(np.concatenate(agree).mean()),
-        "ppl_reference": float(np.exp(np.concatenate(nll_ref).mean())),
-        "ppl_bundle": float(np.exp(np.concatenate(nll_ours).mean())),
-    }
+    return tuple(np.concatenate(x) for x in (kld, agree, nll_ref, nll_ours))

@@ -215,9 +215,7 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
-    from ..bundle import read_model_config
     from ..runtime.backend import open_engine
-    from ..runtime.encoder import open_audio_encoder, open_image_encoder
 
     if images and audio:
         raise InputError("--image and --audio: verify one kind of media a run")
@@ -228,16 +226,7 @@ def verify_bundle(
     ckpt = Checkpoint(src)
     ckpt.validate()
     engine = open_engine(bundle, "mil", precision)
-    encoder = None
-    if images:
-        config = read_model_config(bundle)
-        encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", config, max_image_pixels)
-    if images and encoder is None:
-        raise InputError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
-    if audio:
-        encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
-        if encoder is None:
-            raise InputError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
+    encoder = _media_encoder(bundle, precision, images, audio, max_image_pixels)
     prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
     media = images or audio
@@ -280,6 +269,25 @@ def verify_bundle(
     # judged on the text rows (their logits at the clip's rows have margins under fp16's error on the tiny presets)
     report["passed"] = passed({"precision": precision, **report["text_positions"]} if audio else report)
     return report
+
+
+def _media_encoder(bundle, precision: str, images, audio, max_image_pixels: int):
+    """The bundle's encoder for the run's media, on the MIL executor; None for a text run. A bundle without the
+    model the media need is refused in one line."""
+    from ..bundle import read_model_config
+    from ..runtime.encoder import open_audio_encoder, open_image_encoder
+
+    if images:
+        encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle), max_image_pixels)
+        if encoder is None:
+            raise InputError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
+        return encoder
+    if audio:
+        encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
+        if encoder is None:
+            raise InputError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
+        return encoder
+    return None
 
 
 def _with_images(ids: np.ndarray, prompt_len: int, soft: list, encoder) -> tuple[list[int], int]:
