@@ -63,6 +63,21 @@ def test_a_file_round_trips_the_caches_exactly(tiny_bundle16, saved, tmp_path):
         assert a["tokens"].tolist() == model.engine.tokens
 
 
+def test_a_file_saved_after_a_shorter_reuse_loads(tiny_bundle16, tmp_path):
+    """A second prompt that reuses part of a longer first one leaves that sequence's later rows in the rings
+    (masked, not yet wrapped over): the rings' newest write is past the tokens saved. The file holds them as they
+    are, and a fresh model continues from it bit for bit (ring_top 10 over 6 tokens was refused: 'expected an
+    integer from 5 to 5')."""
+    model = gemma_ane.load(tiny_bundle16, backend="mil")
+    engine = model.engine
+    engine.prompt(list(range(2, 13)))  # positions 0-10, under the window: the rings have not wrapped
+    assert engine.prompt([2, 3, 4, 5, 50, 51])[0] == 4 and (engine.position, engine.ring_top) == (6, 10)
+    model.save_prompt_cache(tmp_path / "p.npz")
+    fresh = gemma_ane.load(tiny_bundle16, backend="mil")
+    assert fresh.load_prompt_cache(tmp_path / "p.npz") == 6 and fresh.engine.ring_top == 10
+    np.testing.assert_array_equal(fresh.engine.feed([60])[-1], engine.feed([60])[-1])
+
+
 def test_a_file_for_another_bundle_or_a_broken_one_is_refused(tiny_bundle4, tiny_bundle16, saved, tmp_path):
     path, _ = saved
     other = gemma_ane.load(tiny_bundle4, backend="mil")

@@ -167,6 +167,11 @@ def malformed(good, tmp_path):
             "ring_top",
             "ring_top 7, expected an integer from 4 to 6",
         ),
+        "ring_top before the tokens": (
+            rewrite(good, out / "top3.npz", {"meta.npy": save_npy(np.array(json.dumps({**meta, "ring_top": 3})))}),
+            "ring_top",
+            "ring_top 3, expected an integer from 4 to 6",
+        ),
         "ring_top a string": (
             rewrite(good, out / "top2.npz", {"meta.npy": save_npy(np.array(json.dumps({**meta, "ring_top": "5"})))}),
             "ring_top",

@@ -7,8 +7,9 @@ A file is a numpy .npz archive of exactly these members:
 - `meta`: JSON text: {"format": 1, "bundle": the bundle's fingerprint, "context", "window", "images",
   "ring_top"}, where "images" maps the picture number of every soft token in `tokens` to its identity (hex):
   numbers are the saving process's (encoder.media_number), so a load maps each key to this process's number for the
-  same picture; "ring_top" is the newest position the saved rings hold (Engine.ring_top_at: past n - 1 only by
-  rejected drafts; files from before it lack it, and the worst case is then assumed);
+  same picture; "ring_top" is the newest position the saved rings hold (Engine.ring_top_at: past n - 1 by a
+  verify batch's rejected drafts, or by an earlier, longer sequence whose prefix a later prompt reused while the
+  rings had not wrapped; files from before it lack it, and the worst case is then assumed);
 - `chunk_K/NAME`: chunk K's state NAME: the ring whole, a full cache's first n slots (axis 2).
 A file made for another bundle (other weights, context or window) is refused, never misread.
 
@@ -112,9 +113,11 @@ def load(path, engine: Engine, bundle: str) -> int:
 
 
 def _ring_top(meta: dict, n: int, engine: Engine, path) -> int | None:
-    """The meta's ring_top: the rings hold positions n - 1 up to a verify batch's rejected drafts past them."""
+    """The meta's ring_top, within what an engine can leave behind position n - 1: rows of a longer sequence
+    the rings still hold before they first wrap (below `ring`), or rejected drafts (up to the padding
+    ring - window past n - 1: Engine.reuse keeps no prefix the rows written past it could have evicted)."""
     top = meta.get("ring_top")
-    lo, hi = n - 1, n - 1 + engine.ring - engine.window
+    lo, hi = n - 1, min(engine.context - 1, max(engine.ring - 1, n - 1 + engine.ring - engine.window))
     if top is not None and (type(top) is not int or not lo <= top <= hi):
         raise PromptCacheError(f"{path}: meta: ring_top {top!r}, expected an integer from {lo} to {hi}")
     return top
