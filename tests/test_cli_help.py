@@ -163,9 +163,36 @@ def test_no_progress_lines_into_a_pipe(capsys, tmp_path):
     assert len(capsys.readouterr().err.splitlines()) == 1  # the error alone, as a script reads it
 
 
+@pytest.mark.parametrize("tty", [True, False], ids=["terminal", "pipe"])
+@pytest.mark.parametrize("quiet", [False, True], ids=["", "quiet"])
+def test_bars_only_on_a_terminal(tty, quiet, monkeypatch, tmp_path):
+    """convert and eval draw their bars for a person watching: never into a pipe, nor with --quiet."""
+    import gemma_ane.convert
+    import gemma_ane.oracle.evaluate
+
+    asked = {}
+
+    def convert(src, out, options, progress, timer):
+        asked["convert"] = progress
+        return {}
+
+    def evaluate(*args, progress, **kw):
+        asked["eval"] = progress
+        raise gemma_ane.oracle.evaluate.EvalError("stopped here")
+
+    monkeypatch.setattr(gemma_ane.convert, "convert", convert)
+    monkeypatch.setattr(gemma_ane.oracle.evaluate, "evaluate", evaluate)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    quietly = ["--quiet"] * quiet
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), *quietly]) == 0
+    assert main(["eval", str(tmp_path / "ckpt"), "--bundle", str(tmp_path), "--text", "t.txt", *quietly]) == 2
+    assert asked == {"convert": tty and not quiet, "eval": tty and not quiet}
+
+
 @pytest.mark.slow
-def test_convert_names_each_model_without_a_bar(tiny_e2b, tmp_path, capsys):
+def test_convert_names_each_model_without_a_bar(tiny_e2b, tmp_path, capsys, monkeypatch):
     """The chunks have a bar each; the vision model (minutes at E2B's size) says when it starts."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person watching
     argv = ["convert", str(tiny_e2b), str(tmp_path / "b"), "--bits", "16", "--context", "128", "--functions", "infer"]
     assert main([*argv, "--image-tokens", "70", "--no-audio"]) == 0
     assert "convert vision ..." in capsys.readouterr().err.splitlines()

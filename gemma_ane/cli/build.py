@@ -18,7 +18,7 @@ from ..bundle.plan import (
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json
-from .steps import add_quiet, step
+from .steps import add_quiet, shown, step
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
@@ -132,7 +132,7 @@ def cmd_convert(a):
         profile=a.profile,
     )
     timer = StageTimer()
-    seconds = convert(a.src, a.out, opts, progress=not a.quiet, timer=timer)
+    seconds = convert(a.src, a.out, opts, progress=shown(a), timer=timer)
     total = sum(seconds.values())
     print("  ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + f"  total {total:.1f}s")
     if timer.peak_rss:
@@ -303,7 +303,7 @@ def add_commands(sub) -> None:
         help="compile to .mlmodelc (default: on macOS only)",
     )
     s.add_argument("--force", action="store_true", help="replace an existing OUT")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar (shown only on a terminal)")
     s.add_argument("--stats", help="also write {seconds, peak_rss_bytes} per stage to this JSON file")
     s.add_argument(
         "--kv-prefill-batches",

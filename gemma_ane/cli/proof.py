@@ -6,7 +6,7 @@ import json
 
 from ..errors import InputError
 from .run import add_image_pixels
-from .steps import add_quiet, step
+from .steps import add_quiet, shown, step
 
 
 def cmd_verify(a):
@@ -64,7 +64,7 @@ def cmd_eval(a):
     from ..oracle.evaluate import evaluate
 
     report = evaluate(
-        a.src, a.bundle, a.text, context=a.context, stride=a.stride, precision=a.precision, progress=not a.quiet
+        a.src, a.bundle, a.text, context=a.context, stride=a.stride, precision=a.precision, progress=shown(a)
     )
     if a.json:
         print(json.dumps(report, indent=2))
@@ -126,5 +126,5 @@ def add_commands(sub) -> None:
     s.add_argument("--stride", type=int, help="tokens between window starts, and scored a window (default: context/2)")
     s.add_argument("--precision", choices=["fp32", "fp16"], default="fp16", help="the bundle's arithmetic")
     s.add_argument("--json", action="store_true", help="print the scores as JSON")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar (shown only on a terminal)")
     s.set_defaults(fn=cmd_eval)

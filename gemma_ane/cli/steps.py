@@ -10,10 +10,15 @@ import time
 from contextlib import contextmanager
 
 
+def shown(a) -> bool:
+    """Whether progress (a step's lines, convert's and eval's bars) is for someone watching."""
+    return not getattr(a, "quiet", False) and sys.stderr.isatty()
+
+
 @contextmanager
 def step(a, what: str):
     """`what` (e.g. "loading demo/bundle") on stderr, then its seconds once it is done; nothing on --quiet."""
-    if getattr(a, "quiet", False) or not sys.stderr.isatty():
+    if not shown(a):
         yield
         return
     print(f"gemma-ane {a.command}: {what} ...", file=sys.stderr, flush=True)
