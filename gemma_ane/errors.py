@@ -7,6 +7,8 @@ The subclasses keep the builtin base each family had before (ValueError, Runtime
 input reaches (a bug if it fires, or caught at once), with a `# internal: why` comment on it or alone above it;
 tests/test_errors.py walks the source for any other."""
 
+import re
+
 
 class GemmaAneError(Exception):
     """An error a user can meet; the message names the problem (file, field, value) on one line."""
@@ -45,10 +47,15 @@ def option_strings(parser) -> set[str]:
 
 
 def as_typed(message: str, flags: set[str]) -> str:
-    """A message that opens with the API's keyword (`max_tokens=-1: ...`, as the Python API raises it), opened with
-    the flag a command-line user typed instead (`--max-tokens -1: ...`) where `flags` (the command's) has one."""
-    name, sep, rest = message.partition("=")
-    if not sep or not name.isidentifier():
+    """A message that opens with the API's keyword (`max_tokens=-1: ...` or `logit_bias: ...`, as the Python API
+    raises it), opened with the flag a command-line user typed instead (`--max-tokens -1: ...`, `--logit-bias: ...`)
+    where `flags` (the command's) has one."""
+    head = re.match(r"([A-Za-z_]\w*)([=:])", message)
+    if head is None:
         return message
+    name, sep = head.groups()
     flag = FLAG_OF.get(name, "--" + name.replace("_", "-"))
-    return f"{flag} {rest}" if flag in flags else message
+    if flag not in flags:
+        return message
+    rest = message[head.end() :]
+    return f"{flag} {rest}" if sep == "=" else f"{flag}:{rest}"

@@ -121,6 +121,10 @@ E2B_CONFIG = str(Path(__file__).parent / "fixtures" / "e2b_config.json")
         (["plan", E2B_CONFIG, "--context", "100"], "--context 100: must be at least the sliding window (512)"),
         (["plan", E2B_CONFIG, "--split", "9,5"], "--split 9,5: boundary 5 does not come after 9; boundaries ascend"),
         (["generate", "no-bundle", "-p", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0.0"),
+        (
+            ["generate", "no-bundle", "-p", "hi", "--logit-bias", "5=300"],
+            "--logit-bias: 5: 300.0: expected a number in [-100, 100]",
+        ),
         (["serve", "no-bundle", "--max-images", "-1"], "--max-images -1: must be >= 0"),
     ],
 )

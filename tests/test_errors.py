@@ -393,3 +393,5 @@ def test_an_api_keyword_reads_as_the_flag_typed():
     assert as_typed("max_tokens=-1: must be positive", flags) == "--max-tokens -1: must be positive"
     assert as_typed("top_k=0: must be positive", flags) == "top_k=0: must be positive"  # the command has no --top-k
     assert as_typed("bundle/x.bin: a=b", flags) == "bundle/x.bin: a=b"
+    assert as_typed("max_tokens: 5: too many", flags) == "--max-tokens: 5: too many"  # a keyword, then its part
+    assert as_typed("chunk_1: no function", flags) == "chunk_1: no function"  # no such flag: not a keyword
