@@ -350,7 +350,7 @@ def loaded(tok, monkeypatch):
 def test_cli_generate_with_undecodable_bytes_is_a_one_line_error(loaded, capsys):
     assert main(["generate", "bundle", "-p", "hi \udcff"]) == 2  # argv decodes b"\xff" to U+DCFF
     assert capsys.readouterr().err.splitlines() == [
-        "gemma-ane generate: error: prompt: not valid text (a lone surrogate U+DCFF at character 3; is the input"
+        "gemma-ane generate: error: --prompt: not valid text (a lone surrogate U+DCFF at character 3; is the input"
         " UTF-8?)"
     ]
 

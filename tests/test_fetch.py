@@ -205,4 +205,4 @@ def test_a_bad_allow_fetch_from_is_refused_before_loading(monkeypatch, tmp_path,
     monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: pytest.fail("loaded despite a bad flag"))
     assert server.main([str(tmp_path), "--allow-remote-images", "--allow-fetch-from", "not a host"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("gemma-ane serve: error: allow_fetch_from: 'not a host': expected an address")
+    assert err.startswith("gemma-ane serve: error: --allow-fetch-from: 'not a host': expected an address")
