@@ -213,6 +213,17 @@ def test_bad_response_format_names_the_field(response_format, param):
     assert e.value.param == param and str(e.value).startswith(param + ": ") and "\n" not in str(e.value)
 
 
+def test_a_schema_part_that_fails_to_compile_says_why():
+    """llguidance reports a bad regex over several lines (the regex, a caret, then `error: why`): the one line
+    keeps the why, not the bare heading "regex parse error:"."""
+    schema = {"type": "string", "pattern": "(a"}
+    with pytest.raises(GrammarError) as e:
+        response_grammar({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert str(e.value) == (
+        "response_format.json_schema.schema: failed to compile JSON schema: regex parse error: unclosed group"
+    )
+
+
 def test_unknown_tool_choice_names_the_field():
     with pytest.raises(GrammarError) as e:
         tool_call_grammar([WEATHER], "get_time")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +78,16 @@ def _lib():
 
 
 def _first_line(message: str) -> str:
-    """llguidance's errors carry a location and the grammar's source lines; the cause is the first line."""
-    line = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
-    return line.split(": ", 1)[1] if line.startswith("at ") and ": " in line else line
+    """llguidance's error in one line. It opens with a location and the cause, may carry a part's own error (a
+    regex, its caret, then `error: why`), and ends with the grammar's source lines (`   2 | ...`): the cause, with
+    the part's why when it has one (a bare "regex parse error:" says nothing)."""
+    lines = message.strip().splitlines()
+    cause = next((i for i, line in enumerate(lines) if re.match(r"\s*\d+ \|", line)), len(lines))
+    if not cause:
+        return "invalid grammar"
+    head = re.sub(r"^(at )?\d+\(\d+\): ", "", lines[0].strip())
+    why = next((line.strip()[7:] for line in lines[1:cause] if line.strip().startswith("error: ")), None)
+    return f"{head} {why}" if why else head
 
 
 def _checked(grammar: str, param: str) -> str:
