@@ -911,6 +911,27 @@ def test_the_published_head_refuses_logit_bias(fake_client):
         assert _post(http, "chat", {"temperature": 0}).status_code == 200
 
 
+def test_an_address_it_cannot_listen_on_is_refused_before_loading(monkeypatch, tmp_path, capsys):
+    """A port in use or a host of no address: one line before the model loads (uvicorn said it after the load, in
+    its startup log, and exited 3)."""
+    import socket
+
+    import gemma_ane.runtime.model
+    from gemma_ane.server import app as server
+
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: pytest.fail("loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert server.main([str(tmp_path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"gemma-ane serve: error: --port {port}: cannot listen on 127.0.0.1 (Address already in use)"
+    for host in ("999.1.1.1", "192.0.2.1"):  # no address at all; another machine's (TEST-NET-1)
+        assert server.main([str(tmp_path), "--host", host]) == 2
+        assert capsys.readouterr().err.startswith(f"gemma-ane serve: error: --host {host}: not an address of")
+
+
 @pytest.mark.parametrize(
     "flags, allowed, drafts", [([], False, 0), (["--allow-special-tokens"], True, 0), (["--draft", "2"], False, 2)]
 )

@@ -28,11 +28,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import uuid
@@ -334,6 +336,7 @@ def serve(
     # checked before loading
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     allow_origins = check_origins(allow_origins)
+    _check_listen(host, port)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", host)
@@ -354,6 +357,24 @@ def serve(
     )
     # a stream still open at shutdown is cut after 5 s rather than holding the process
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse an address this process cannot listen on (a port in use, a host that is none of this machine's)
+    before the model loads: uvicorn would say so only after the load, in its startup log. A probe bound and closed
+    as uvicorn binds (SO_REUSEADDR): a port taken in between still fails there."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise InputError(f"host={host}: not an address of this machine ({e})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:  # a real address, but another machine's
+                raise InputError(f"host={host}: not an address of this machine ({e.strerror})") from None
+            raise InputError(f"port={port}: cannot listen on {host} ({e.strerror or e})") from None
 
 
 # -- command line ---------------------------------------------------------------------------------
