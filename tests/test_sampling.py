@@ -92,6 +92,16 @@ def test_sample_leaves_the_logits_alone():
     assert np.array_equal(x, before)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_temperature_past_fp32_is_flat_without_a_warning():
+    """temperature 1e308 (a float, so accepted) is as flat as fp32's largest: uniform over what top-k keeps, and
+    no overflow warning in a server's log."""
+    x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+    for t in (1e308, float(np.finfo(np.float32).max)):
+        ids, probs = Sampler(SamplingParams(temperature=t, top_k=5, seed=0)).distribution(x)
+        assert len(ids) == 5 and np.allclose(probs, 0.2)
+
+
 # -- the distribution against transformers' own logits processors --------------------------------------------------
 
 

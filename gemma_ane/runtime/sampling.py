@@ -345,7 +345,9 @@ class Candidates:
     ranking) and the draw renormalises."""
 
     def __init__(self, x: np.ndarray, ids: np.ndarray | None = None, temperature: float = 1.0, p=None):
-        self.x, self.ids, self.temperature, self._p = x, ids, np.float32(temperature), p
+        # past fp32's largest, a temperature is as flat as that one (the cast would overflow to inf, with a warning)
+        self.x, self.ids, self._p = x, ids, p
+        self.temperature = np.float32(min(temperature, float(np.finfo(np.float32).max)))
 
     @property
     def p(self) -> np.ndarray:
