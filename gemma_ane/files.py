@@ -25,9 +25,20 @@ class FileFormatError(InputError):
 def read_json(path: str | Path) -> dict:
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FileFormatError(f"{path}: unreadable JSON ({e})") from None
+    except RecursionError:  # the parser recurses once per level: a damaged file can nest past Python's stack
+        raise FileFormatError(f"{path}: unreadable JSON (nested too deeply)") from None
+
+
+def read_json_object(path: str | Path) -> dict:
+    """read_json of a file that must hold an object (a config, a manifest): anything else is the file's fault,
+    named here rather than as an AttributeError wherever the first `.get` meets it."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise FileFormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def sha256_file(path: str | Path) -> str:

@@ -117,3 +117,55 @@ def test_an_entry_reads_its_rules_off_the_whole_file():
     del config[ASSISTANT]["producers"]
     with pytest.raises(BundleError, match=r"^f: assistant\.producers: missing$"):
         AssistantConfig.from_json(config, "f")
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("rms_norm_eps", "1e-6", "rms_norm_eps='1e-6': expected a positive fp32 number"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps=nan: expected a positive fp32 number"),
+        ("rms_norm_eps", 0, "rms_norm_eps=0: expected a positive fp32 number"),
+        ("final_logit_softcapping", -30.0, "final_logit_softcapping=-30.0: expected a positive fp32 number"),
+        ("final_logit_softcapping", 0, "final_logit_softcapping=0: expected a positive fp32 number"),
+        ("quantization", "q3", "quantization='q3': expected \"none\""),
+        ("quantization", ["int4"], "quantization=['int4']: expected \"none\""),
+        ("context_length", 10**12, "context_length=1000000000000: expected a positive integer, at most"),
+        ("split", [3, 1], "split=[3, 1]: expected ascending layer indices"),
+        ("split", [1, 1], "split=[1, 1]: expected ascending layer indices"),
+        ("split", [1, 5], "split=[1, 5]: expected boundaries up to num_hidden_layers 4"),
+        (
+            "layer_types",
+            [FULL],
+            "layer_types=['full_attention']: expected one per layer, as many as num_hidden_layers 4",
+        ),
+    ],
+)
+def test_a_text_field_no_conversion_writes_is_refused_on_write_as_on_read(tmp_path, field, value, needle):
+    config = {**model_config(TEXT), field: value}
+    with pytest.raises(BundleError, match=rf"^{tmp_path / MODEL_CONFIG}: ") as written:
+        write_model_config(tmp_path, config)
+    assert needle in str(written.value)
+    (tmp_path / MODEL_CONFIG).write_text(json.dumps(config))
+    with pytest.raises(BundleError) as read:
+        read_model_config(tmp_path)
+    assert str(read.value) == str(written.value)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("quantization", "int4"),
+        ("quantization", "none"),
+        ("final_logit_softcapping", None),  # a checkpoint without one
+        ("split", [4]),  # a last chunk of the head alone
+        ("context_length", 2**17),
+    ],
+)
+def test_the_values_a_conversion_writes_are_accepted(field, value):
+    check_model_config({**model_config(TEXT), field: value}, "model_config.json")
+
+
+def test_a_model_config_nested_past_the_stack_is_a_bundle_error(tmp_path):
+    (tmp_path / MODEL_CONFIG).write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(BundleError, match=r"model_config\.json: unreadable JSON \(nested too deeply\)$"):
+        read_model_config(tmp_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..files import FileFormatError, read_json, sha256_file, tree_size
+from ..files import FileFormatError, read_json_object, sha256_file, tree_size
 from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
 from .errors import BundleError
 from .interfaces import one_function_interfaces, read_interfaces
@@ -40,10 +40,13 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
     if not path.is_file():
         return [f"{path}: missing"]
     try:
-        files = read_json(path)["files"]
-        items = list(files.items())
-    except (FileFormatError, KeyError, TypeError, AttributeError) as e:
-        return [f"{path}: unreadable ({e})"]
+        files = read_json_object(path).get("files")
+    except FileFormatError as e:
+        return [str(e)]
+    if not isinstance(files, dict):
+        found = "missing" if files is None else f"expected an object of file entries, found {type(files).__name__}"
+        return [f"{path}: files: {found}"]
+    items = list(files.items())
     problems = []
     for rel, entry in items:
         p = root / rel
@@ -98,13 +101,13 @@ def prompt_paths(chunks: list[dict]) -> dict:
 
 def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     root = Path(root)
-    manifest = read_json(root / MANIFEST) if (root / MANIFEST).is_file() else None
-    planned = {c["name"]: c for c in (manifest or {}).get("plan", {}).get("chunks", [])}
+    manifest = _read_manifest(root) if (root / MANIFEST).is_file() else None
+    planned = _planned_layers(manifest or {})
     chunks = []
     for path in chunk_paths(root):
         entry = _inspect_package(path) if path.suffix == PACKAGE else _inspect_compiled(path)
         if entry["name"] in planned:
-            entry["layers"] = planned[entry["name"]]["layers"]
+            entry["layers"] = planned[entry["name"]]
         chunks.append(entry)
     report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
     report["device_cost"] = device_cost(_chunk_weights(c) for c in chunks)
@@ -116,6 +119,27 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
+
+
+def _read_manifest(root: Path) -> dict:
+    try:
+        return read_json_object(root / MANIFEST)
+    except FileFormatError as e:
+        raise BundleError(str(e)) from None
+
+
+def _planned_layers(manifest: dict) -> dict:
+    """{chunk name: its layers} as the manifest's plan states them; a plan damaged past reading states none (the
+    report describes the chunks from their own files, and check_manifest reports the damage)."""
+    plan = manifest.get("plan")
+    chunks = plan.get("chunks") if isinstance(plan, dict) else None
+    if not isinstance(chunks, list):
+        return {}
+    return {
+        c["name"]: c["layers"]
+        for c in chunks
+        if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("layers"), list) and c["layers"]
+    }
 
 
 def _chunk_weights(chunk: dict) -> tuple[str, int, dict]:
@@ -176,6 +200,8 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     listed in the manifest, and a manifest at all, which only the published layout may lack
     (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
     root = Path(root)
+    if not root.is_dir():  # one line, as load and inspect say it, not a "missing" line for every required file
+        raise BundleError(f"{root}: not a bundle directory")
     problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
     if (root / MANIFEST).exists():
         problems += check_manifest(root, sha256)

@@ -120,6 +120,10 @@ class TextConfig:
             elif not ok(config[name]) or name.endswith("_token_id") and config[name] >= config["vocab_size"]:
                 what += f" below vocab_size {config['vocab_size']}" if name.endswith("_token_id") else ""
                 raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
+        for name, (what, ok) in TEXT_RELATIONS.items():
+            if name in config and not ok(config[name], config):
+                what += f" {config['num_hidden_layers']}"
+                raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
         return cls(**{f.name: config.get(f.name) for f in fields(cls)})
 
 
@@ -257,6 +261,16 @@ def _scale(v) -> bool:  # the host scales the int8 tables in fp32
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= np.finfo(np.float32).max
 
 
+def _ascending(v) -> bool:
+    return isinstance(v, list) and len(v) >= 1 and all(map(_positive, v)) and all(a < b for a, b in zip(v, v[1:]))
+
+
+QUANTIZATIONS = {"none", "fp16", "float16", *(f"int{n}" for n in range(1, 9))}  # what converters have written
+
+# A context past this is no bundle's (Gemma 4's longest is 2**17 positions): a cache of it would not fit in memory.
+MAX_CONTEXT = 2**20
+
+
 # the text fields the runtime reads: name -> (required, what it must be, test)
 TEXT_FIELDS = {
     "vocab_size": (True, "a positive integer", _positive),
@@ -269,13 +283,13 @@ TEXT_FIELDS = {
     "eos_token_id": (False, "a token id", _token),
     "layer_types": (False, "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
     "sliding_window": (False, "a positive integer", _positive),  # the ring may be wider (spec.ring_slots)
-    "context_length": (False, "a positive integer", _positive),  # these four: the published plan's
-    "prefill_batch": (False, "a positive integer", _positive),
-    "split": (
+    "context_length": (  # these four: the published plan's
         False,
-        "a list of layer indices",
-        lambda v: isinstance(v, list) and len(v) >= 1 and all(map(_positive, v)),
+        f"a positive integer, at most {MAX_CONTEXT}",
+        lambda v: _positive(v) and v <= MAX_CONTEXT,
     ),
+    "prefill_batch": (False, "a positive integer", _positive),
+    "split": (False, "ascending layer indices", _ascending),
     "chunks": (
         False,
         "a list of chunk entries, one per chunk_N, each with its name",
@@ -283,6 +297,28 @@ TEXT_FIELDS = {
     ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
     "weights": (False, "an object (how linear weights were compressed)", lambda v: isinstance(v, dict)),
+    # the chunks have these baked in; stated for the record, so a value no conversion writes is damage
+    "rms_norm_eps": (False, "a positive fp32 number", _scale),
+    # null: a checkpoint without one (a bundle converted before to_json left it out)
+    "final_logit_softcapping": (False, "a positive fp32 number", lambda v: v is None or _scale(v)),
+    "quantization": (
+        False,
+        '"none", "fp16" or "intN" (N bits, 1 to 8)',
+        lambda v: isinstance(v, str) and v in QUANTIZATIONS,
+    ),
+}
+
+# the text fields whose rule reads another (checked after TEXT_FIELDS', so that one is sound): name -> (what it
+# must be, test of the value given the whole config)
+TEXT_RELATIONS = {
+    "layer_types": (
+        "one per layer, as many as num_hidden_layers",
+        lambda v, c: len(v) == c["num_hidden_layers"],
+    ),
+    "split": (
+        "boundaries up to num_hidden_layers",
+        lambda v, c: v[-1] <= c["num_hidden_layers"],
+    ),
 }
 
 # `assistant`: name -> (what it must be, test of the value given the entry so far and the whole config); every

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..bundle import BundleError, check_bundle, layout
+from ..bundle import BundleError, check_bundle, layout, read_model_config
 from ..errors import InputError
-from ..files import read_json
+from ..files import FileFormatError, read_json_object
 from . import grammar, prompt_cache
 from .audio import AudioError
 from .backend import open_engine, pick_backend
@@ -38,7 +38,7 @@ from .encoder import expand_media, media_sources, open_audio_encoder, open_image
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .events import Event, Result, Stats
 from .images import MAX_PIXELS, ImageError
-from .sampling import BAN, GrammarMask, Sampler, SamplingError, SamplingParams
+from .sampling import BAN, FIELDS, GENERATION_CONFIG_FIELDS, GrammarMask, Sampler, SamplingError, SamplingParams
 from .tokens import (
     BOS,
     EOS,
@@ -615,8 +615,6 @@ def load(
 ) -> Model:
     """Open and validate a bundle. `verify=True` also checks every file's sha256 against the manifest;
     `max_image_pixels`: the largest width * height of an image in a prompt, checked before it is decoded."""
-    from tokenizers import Tokenizer
-
     root = Path(bundle)
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
@@ -629,10 +627,9 @@ def load(
     backend = pick_backend(backend)
     # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
     engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
-    tokenizer = Tokenizer.from_file(str(root / layout.HF_TOKENIZER))
-    gen_path = root / layout.HF_GENERATION_CONFIG
-    generation = read_json(gen_path) if gen_path.is_file() else {}
-    config = read_json(root / layout.MODEL_CONFIG)
+    tokenizer = _tokenizer(root / layout.HF_TOKENIZER)
+    generation = _generation_config(root / layout.HF_GENERATION_CONFIG)
+    config = read_model_config(root)
     drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
     images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
     template = _template(root / layout.HF_DIR)
@@ -641,13 +638,58 @@ def load(
     return model
 
 
+def _bundle_json(path: Path) -> dict:
+    """A JSON object of the bundle's, its damage a BundleError naming the file (the bundle's fault, not the user's)."""
+    try:
+        return read_json_object(path)
+    except FileFormatError as e:
+        raise BundleError(str(e)) from None
+
+
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for any file it cannot parse
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BundleError(f"{path}: unreadable tokenizer ({reason})") from None
+
+
+def _generation_config(path: Path) -> dict:
+    """hf_model/generation_config.json (or {} without one), its fields checked here: used at every generation as
+    defaults under the caller's, a bad one would be blamed on a sampling parameter the caller never gave."""
+    if not path.is_file():
+        return {}
+    generation = _bundle_json(path)
+    rules = {f.name: f for f in FIELDS if f.name in GENERATION_CONFIG_FIELDS}
+    for name, value in generation.items():
+        if name in rules and value is not None:
+            try:
+                rules[name].check(value)
+            except SamplingError as e:
+                raise BundleError(f"{path}: {e}") from None
+    eos = generation.get("eos_token_id", [])
+    if not all(_is_token(e) for e in (eos if isinstance(eos, list) else [eos])):
+        raise BundleError(f"{path}: eos_token_id={eos!r:.40}: expected a token id or a list of token ids")
+    return generation
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _template(hf: Path) -> ChatTemplate:
     source = None
-    if (hf / "chat_template.jinja").is_file():
-        source = (hf / "chat_template.jinja").read_text()
+    path = hf / "chat_template.jinja"
+    if path.is_file():
+        try:
+            source = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BundleError(f"{path}: unreadable chat template ({e})") from None
     cfg = {}
     if (hf / "tokenizer_config.json").is_file():
-        cfg = read_json(hf / "tokenizer_config.json")
+        cfg = _bundle_json(hf / "tokenizer_config.json")
         if source is None and isinstance(cfg.get("chat_template"), str):
             source = cfg["chat_template"]
     bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
