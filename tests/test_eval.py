@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -107,9 +108,10 @@ def test_a_bundle_of_another_checkpoint_scores_far_off(reports, tiny_bundle16, c
     assert report["ppl_bundle"] == pytest.approx(reports[16]["ppl_bundle"], rel=1e-6)  # the bundle's side is the same
 
 
-def test_cli_text_report_and_progress(tiny_e2b, tiny_bundle16, tmp_path, capsys):
+def test_cli_text_report_and_progress(tiny_e2b, tiny_bundle16, tmp_path, capsys, monkeypatch):
     short = tmp_path / "short.txt"
     short.write_text(text(40, seed=1))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person watching: the bar is drawn
     rc, out, err = run(capsys, "eval", tiny_e2b, "--bundle", tiny_bundle16, "--text", short, "--context", 16)
     assert rc == 0, err
     assert re.fullmatch(r"\d+ tokens \(context 16, stride 8, fp16\): KLD mean .* top-1 .* \(bundle\)\n", out), out

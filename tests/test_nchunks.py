@@ -133,7 +133,7 @@ def test_max_chunk_mb_keeps_every_chunk_in_the_budget(e2b_config):
         (20, 4, "--max-chunk-mb 20: layer 0 with the PLE projection alone needs 25.0 MB at 4 bits"),
         (50, 4, "--max-chunk-mb 50: layer 34 with the LM head alone needs 236.6 MB at 4 bits"),
         (200, 16, "--max-chunk-mb 200: layer 34 with the LM head alone needs 945.3 MB at 16 bits"),
-        (0, 4, "--max-chunk-mb 0.0: must be a positive number of MB"),
+        (0, 4, "--max-chunk-mb 0.0: must be a finite number of MB > 0"),
     ],
 )
 def test_a_budget_no_split_can_meet_names_the_layer(capsys, mb, bits, needle):

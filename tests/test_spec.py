@@ -295,3 +295,17 @@ def test_default_split_for_other_depths(tiny_e2b, tiny_gqa):
     assert set(plan.chunks[0].states) == {"kv_cache_sliding"}
     assert plan.chunks[1].states["kv_cache_sliding"].shape == (6, 2, 8, 32)  # 2 KV heads, padded to 32
     assert plan.chunks[1].states["kv_cache_full"].shape == (2, 1, 128, 32)  # K=V full layers: 1 KV head
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("[" * 100_000 + "]" * 100_000, "nested too deeply"), ("{oops", "Expecting property name"), ("\udcff", "utf-8")],
+    ids=["deep", "not-json", "not-utf8"],
+)
+def test_a_config_file_past_reading_is_one_line(tmp_path, text, why):
+    """A checkpoint's (or a bundle's hf_model/) config.json damaged past parsing: a ConfigError naming it, never the
+    parser's RecursionError (json recurses once per level)."""
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ConfigError, match=rf"^{path}: not a readable JSON config \(.*{why}"):
+        ModelSpec.from_pretrained(tmp_path)

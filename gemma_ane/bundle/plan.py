@@ -337,6 +337,13 @@ def ring_slots(window: int, draft_tokens: int = 0, kv_batches: tuple[int, ...] =
 # -- building a plan: one step of ChunkPlan.build each; ci is the chunk's index (0, 1, 2) ----------
 
 
+def check_prefill_batch(spec: ModelSpec, prefill_batch) -> None:
+    """The prefill_bT function's T: an integer in [1, the sliding window] (verify checks a bundle run's too)."""
+    W = spec.sliding_window
+    if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
+        raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={W}]")
+
+
 def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches, draft_tokens) -> None:
     W = spec.sliding_window
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
@@ -357,8 +364,7 @@ def _check_options(spec: ModelSpec, context, prefill_batch, head, kv_batches, dr
             )
     if head not in ("logits", "token_id"):
         raise ConfigError(f"head={head!r}: choose logits or token_id")
-    if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= W:
-        raise ConfigError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, sliding_window={W}]")
+    check_prefill_batch(spec, prefill_batch)
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise ConfigError(f"draft_tokens={draft_tokens!r}: must be an integer in [0, {MAX_DRAFT_TOKENS}]")
     if draft_tokens and head != "logits":
@@ -509,6 +515,16 @@ def _layer_params(spec: ModelSpec, i: int) -> tuple[int, int]:
     return proj, other
 
 
+# the weights' widths convert builds (16: fp16, no palettization); sizes at any other are of no bundle
+BITS = (4, 6, 8, 16)
+
+
+def check_bits(bits: int) -> None:
+    """A ConfigError naming --bits unless `bits` is one of BITS, in the words convert refuses the others with."""
+    if bits not in BITS:
+        raise ConfigError(f"--bits {bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
+
+
 def chunk_weight_bytes(spec: ModelSpec, layers, computes_ple: bool, has_head: bool, bits: int) -> int:
     """The weights a chunk stores: projections at `bits` (16: fp16), the rest fp16. Palettization's lookup tables
     (16 fp16 entries per group of 32 rows at 4 bits) are counted too, so this is within a few % of the package."""
@@ -532,8 +548,9 @@ def split_for_budget(spec: ModelSpec, max_chunk_mb: float, bits: int) -> tuple[i
     """The fewest chunks whose weights each fit `max_chunk_mb` (MB = 10^6 bytes) at `bits`, the largest chunk as
     small as it can then be, with the last chunk holding only KV-shared layers (`_check_split`). ConfigError names
     the layer that cannot fit."""
-    if isinstance(max_chunk_mb, bool) or not isinstance(max_chunk_mb, (int, float)) or max_chunk_mb <= 0:
-        raise ConfigError(f"--max-chunk-mb {max_chunk_mb!r}: must be a positive number of MB")
+    numeric = isinstance(max_chunk_mb, (int, float)) and not isinstance(max_chunk_mb, bool)
+    if not numeric or not 0 < max_chunk_mb < math.inf:  # NaN compares false, so it lands here too
+        raise ConfigError(f"--max-chunk-mb {max_chunk_mb!r}: must be a finite number of MB > 0")
     L, first, budget = spec.num_layers, spec.first_shared_layer, max_chunk_mb * 1e6
 
     def size(lo: int, hi: int) -> int:

@@ -165,7 +165,7 @@ class ModelSpec:
             per_layer_dim=per_layer_dim,
             sliding_window=window,
             rope=rope,
-            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=_eps(get),
             final_logit_softcapping=None if softcap is None else _number(softcap, "final_logit_softcapping"),
             hidden_activation=act,
             pad_token_id=get("pad_token_id", int, 0),
@@ -197,9 +197,11 @@ def _read_config(src: str | Path) -> tuple[Path, dict]:
     if not path.is_file():
         raise ConfigError(f"{src}: no such file or directory")
     try:
-        return path, json.loads(path.read_text())
+        return path, json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not a readable JSON config ({e})") from None
+    except RecursionError:  # the parser recurses once per level: a damaged file can nest past Python's stack
+        raise ConfigError(f"{path}: not a readable JSON config (nested too deeply)") from None
 
 
 def _text_config(config) -> dict:
@@ -234,6 +236,15 @@ def _get(text: dict, name: str, kind=int, default=...):
     if not ok:
         raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
     return kind(value)
+
+
+def _eps(get) -> float:
+    """rms_norm_eps, refused unless finite and > 0: a NaN or a negative one would otherwise surface as a converter's
+    traceback, or as NaN logits."""
+    eps = get("rms_norm_eps", float, 1e-6)
+    if not 0 < eps < float("inf"):
+        raise ConfigError(f"rms_norm_eps={eps!r}: must be a finite number > 0")
+    return eps
 
 
 def _check_supported(text: dict) -> str:
@@ -487,7 +498,7 @@ class AssistantSpec:
             vocab_size=target.vocab_size,
             sliding_window=target.sliding_window,
             rope=rope,
-            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=_eps(get),
             num_centroids=centroids,
             centroid_top_k=top_k,
         )

@@ -93,11 +93,26 @@ def _flags(parser: argparse.ArgumentParser, command: str) -> set[str]:
     )
 
 
+def _closed_stream(command: str) -> str | None:
+    """The standard stream `command` needs that the shell closed (`>&-`, `<&-`; Python leaves it None), as
+    `ls >&-` refuses to run blind: every command but serve (which logs to stderr) prints its result, and chat
+    reads the conversation. None when both are there."""
+    if sys.stdout is None and command != "serve":
+        return "standard output is closed (the result would have nowhere to go)"
+    if sys.stdin is None and command == "chat":
+        return "standard input is closed (chat reads the conversation from it)"
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # warnings (a function the device refuses, a bundle's RoPE tables) as one line, not a source dump
     warnings.formatwarning = lambda message, *_, **__: f"gemma-ane {args.command}: warning: {message}\n"
+    closed = _closed_stream(args.command)
+    if closed:
+        print(f"gemma-ane {args.command}: error: {closed}", file=sys.stderr)
+        return 2
     try:
         with _stoppable():
             try:

@@ -9,6 +9,7 @@ import sys
 from ..bundle.plan import (
     PROFILES,
     ChunkPlan,
+    check_bits,
     default_kv_batches,
     format_device_cost,
     parse_functions,
@@ -18,7 +19,7 @@ from ..bundle.plan import (
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json
-from .steps import add_quiet, shown, step
+from .steps import add_quiet, shown, step, writable
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
@@ -53,6 +54,7 @@ def _split_of(a, spec: ModelSpec) -> tuple[int, ...] | None:
 
 
 def cmd_plan(a):
+    check_bits(a.bits)
     spec = ModelSpec.from_pretrained(a.src)
     functions = parse_functions(a.functions, a.profile)
     kv = _batches(a.kv_prefill_batches)
@@ -90,10 +92,13 @@ def cmd_tiny(a):
 
 
 def _batches(text):
+    """--kv-prefill-batches: None when not given, () when empty (none); an empty item (`8,,64`, `,`) is a slip."""
     if text is None:
         return None
+    if not text.strip():
+        return ()
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ConfigError(f"--kv-prefill-batches {text!r}: expected comma-separated batch sizes, e.g. 64,8") from None
 
@@ -103,6 +108,8 @@ def cmd_convert(a):
 
     if a.draft_tokens is not None and not a.assistant:
         raise ConversionError("--draft-tokens: needs --assistant (the drafter whose tokens the verify calls check)")
+    if a.stats:
+        writable(a.stats, "--stats")
     # the budget's boundaries are chosen before anything is written; the manifest records them as the split
     split = (
         parse_split(a.split)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ..bundle.plan import check_prefill_batch
+from ..bundle.spec import ModelSpec
 from ..errors import InputError
 from .run import add_image_pixels
 from .steps import add_quiet, shown, step
@@ -19,6 +21,8 @@ def cmd_verify(a):
     ours = f"the bundle {a.bundle}" if a.bundle else "our chunk graph"
     with step(a, f"running transformers and {ours} over {a.tokens} positions"):
         if a.bundle:
+            # the graph's plan refuses a bad --prefill-batch; a bundle runs its own batches, so it is refused here
+            check_prefill_batch(ModelSpec.from_pretrained(a.src), a.prefill_batch)
             report = verify_bundle(
                 a.src,
                 a.bundle,

@@ -15,7 +15,7 @@ from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
 from ..runtime.tools import MAX_DEPTH
-from .steps import add_quiet, step
+from .steps import add_quiet, step, writable
 
 DRAFT_HELP = "speculative decoding: the bundle's drafter proposes K tokens a verify call (convert --assistant)"
 
@@ -58,6 +58,8 @@ def cmd_generate(a):
         kw["response_format"] = _response_format(a.json_schema)
     if a.audio and a.raw:
         raise InputError("--audio: a raw prompt has no chat template to place the clip in; drop --raw")
+    if a.prompt_cache:
+        writable(a.prompt_cache, "--prompt-cache")
     # each clip read before the bundle loads: a missing or bad file costs no load; the samples are what runs
     clips = [{"type": "audio", "audio": load_audio(path, "--audio")} for path in a.audio or ()]
     if a.image or clips:
@@ -176,6 +178,8 @@ def _fit_context(model, head: list, messages: list, think: bool, max_tokens: int
 def cmd_chat(a):
     from .. import load
 
+    if a.prompt_cache:
+        writable(a.prompt_cache, "--prompt-cache")
     with step(a, f"loading {a.bundle}"):
         model = load(a.bundle, backend=a.backend)
     model.use_drafts(a.draft)

@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..bundle.plan import MAX_DRAFT_TOKENS, PROFILES, check_function_names
+from ..bundle.plan import BITS, MAX_DRAFT_TOKENS, PROFILES, check_function_names
 from ..bundle.spec import ConfigError
 from ..errors import ConversionError
 from ..files import stop_point
@@ -76,7 +76,7 @@ class ConvertOptions:
     def check(self) -> None:
         if self.quant not in QUANT_MODES:
             raise ConvertError(f"--quant {self.quant!r}: choose lut or block")
-        if self.bits not in (4, 6, 8, 16):
+        if self.bits not in BITS:
             raise ConvertError(f"--bits {self.bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
         if self.quant == "block" and self.bits not in BLOCK_BITS:
             raise ConvertError(f"--bits {self.bits}: --quant block stores int4 or int8; choose 4, 8 or 16")
@@ -101,13 +101,13 @@ class ConvertOptions:
         if self.image_tokens not in SOFT_TOKEN_BUDGETS:
             budgets = ", ".join(map(str, SOFT_TOKEN_BUDGETS))
             raise ConvertError(f"--image-tokens {self.image_tokens}: choose one of {budgets}")
-        if self.vision_bits not in (None, 4, 6, 8, 16):
+        if self.vision_bits not in (None, *BITS):
             raise ConvertError(f"--vision-bits {self.vision_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
         if self.quant == "block" and self.vision_bits not in (None, *BLOCK_BITS):
             raise ConvertError(
                 f"--vision-bits {self.vision_bits}: --quant block stores int4 or int8; choose 4, 8 or 16"
             )
-        if self.audio_bits not in (4, 6, 8, 16):
+        if self.audio_bits not in BITS:
             raise ConvertError(f"--audio-bits {self.audio_bits}: choose 4, 6, 8 or 16 (16 = no palettization)")
         seconds = self.audio_seconds
         if not seconds or any(isinstance(s, bool) or not isinstance(s, (int, float)) for s in seconds):

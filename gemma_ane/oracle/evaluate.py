@@ -17,7 +17,6 @@ transformers is imported here (through `verify`): this module sits on the oracle
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,6 @@ import numpy as np
 from ..bundle import layout
 from ..convert.checkpoint import Checkpoint
 from ..errors import InputError
-from ..files import sha256_file
 from ..runtime.tokens import BOS
 
 ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
@@ -58,37 +56,6 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int]]:
     if scored < n:  # the text's tail: one more window, ending at its end
         out.append((n - span, scored))
     return out
-
-
-def check_pair(ckpt: Checkpoint, bundle: Path, config: dict) -> None:
-    """Refuse a bundle that was not converted from a checkpoint of this shape and vocabulary: what its
-    model_config.json records of the source config against the checkpoint's, and the two tokenizers."""
-    spec = ckpt.spec
-    expected = {
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "num_hidden_layers": spec.num_layers,
-        "per_layer_dim": spec.per_layer_dim,
-        "layer_types": list(spec.layer_types),
-        "num_kv_shared_layers": spec.num_kv_shared_layers,
-        "num_attention_heads": spec.num_heads,
-        "embed_scale": spec.embed_scale,
-        "per_layer_embed_scale": spec.per_layer_embed_scale,
-        "final_logit_softcapping": spec.final_logit_softcapping,
-    }
-    for name, want in expected.items():
-        if name not in config:
-            continue  # a published bundle records fewer fields; those it has are checked
-        have = config[name]
-        same = math.isclose(have, want, rel_tol=1e-6) if isinstance(want, float) else have == want
-        if not same:
-            raise EvalError(
-                f"{bundle / layout.MODEL_CONFIG}: {name}={have!r} but {ckpt.root / 'config.json'} has {want!r}: "
-                "the bundle is not of this checkpoint"
-            )
-    ours, theirs = bundle / layout.HF_TOKENIZER, ckpt.root / Path(layout.HF_TOKENIZER).name
-    if ours.is_file() and theirs.is_file() and sha256_file(ours) != sha256_file(theirs):
-        raise EvalError(f"{ours}: differs from {theirs}: the bundle is not of this checkpoint")
 
 
 def _bundle_logits(engine, ids: np.ndarray, skip: int) -> np.ndarray:
@@ -144,7 +111,7 @@ def evaluate(
     of it."""
     from ..bundle import read_model_config
     from ..runtime.backend import open_engine
-    from .verify import oracle_model
+    from .verify import check_pair, oracle_model
 
     if precision not in ("fp32", "fp16"):
         raise EvalError(f"--precision {precision!r}: choose fp32 or fp16")

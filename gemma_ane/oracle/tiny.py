@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import InputError
-from ..files import building
+from ..files import building, is_within
 from .tokenizer_files import TINY_AUDIO_TOKENS, TINY_MEDIA_TOKENS, write_tokenizer_files
 
 S, F = "sliding_attention", "full_attention"
@@ -144,6 +144,8 @@ PRESETS["e2b-audio-mini"] = PRESETS["e2b-mini"]
 
 # Presets whose text weights are trained (tiny_train.train) from transformers' own initialisation, not drawn.
 TRAINED = {"demo"}
+# seeds torch takes: seed + 2 (the audio tower's) must stay below 2**64
+MAX_SEED = 2**63
 
 # Rescaled draws for presets that need conditioning (the same random stream, so the others keep their
 # weights). 35 random layers are chaotic: each adds three post-normed terms at full size, so fp16
@@ -542,6 +544,8 @@ def write_tiny(
     gets its shipped weights (trained from seed 0), or with `train` is trained now from `seed` (minutes)."""
     import torch
 
+    if not 0 <= seed < MAX_SEED:
+        raise InputError(f"--seed {seed}: must be in [0, 2**63)")
     if preset in TRAINED and seed != 0 and not train:
         raise InputError(f"--seed {seed}: the shipped {preset} weights were trained from seed 0; add --train to train")
     if train and preset not in TRAINED:
@@ -551,6 +555,8 @@ def write_tiny(
     if shards < 1:
         raise InputError(f"--shards {shards}: must be >= 1")
     out = Path(out)
+    if assistant is not None and _overlaps(out, assistant):
+        raise InputError(f"--assistant {assistant}: is, holds or lies inside OUT {out}; give it a directory of its own")
     for path in (out, assistant):
         if path is not None and Path(path).exists() and not force:
             raise InputError(f"{path}: already exists (use --force to replace it)")
@@ -573,6 +579,13 @@ def write_tiny(
             _save(drafter, tmp, torch_dtype, 1)
             drafter.generation_config.save_pretrained(tmp)
     return out
+
+
+def _overlaps(a, b) -> bool:
+    """`a` and `b` are one directory, or one lies inside the other: writing either would replace or nest in the
+    other. By resolved name, since neither need exist yet, and by identity (is_within) where they do."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra in rb.parents or rb in ra.parents or is_within(a, b) or is_within(b, a)
 
 
 def _save(model, tmp: Path, torch_dtype, shards: int) -> None:

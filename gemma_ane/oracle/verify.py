@@ -9,15 +9,18 @@ int8 tables alone move the logits is reported beside it as `int8_tables_vs_origi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 
+from ..bundle import layout
 from ..bundle.host import dequantize_rows, quantize_rows, rope_tables
 from ..bundle.plan import ChunkPlan
 from ..bundle.spec import ModelSpec
 from ..bundle.tables import HostTables
 from ..convert.checkpoint import Checkpoint
 from ..errors import InputError
+from ..files import sha256_file
 from ..runtime.engine import Engine
 from ..runtime.images import MAX_PIXELS
 
@@ -161,6 +164,7 @@ def verify_graph(
 
     if precision not in ("fp32", "fp16"):
         raise InputError(f"--precision {precision!r}: choose fp32 or fp16")
+    _check_seed(seed)
     ckpt = Checkpoint(src)
     ckpt.validate()
     spec = ckpt.spec
@@ -215,6 +219,7 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
+    from ..bundle import read_model_config
     from ..runtime.backend import open_engine
 
     if images and audio:
@@ -223,8 +228,12 @@ def verify_bundle(
         raise InputError(f"--precision {precision!r}: choose fp32 or fp16")
     if prompt_path not in ("all", "generate"):
         raise InputError(f"prompt_path={prompt_path!r}: choose 'all' or 'generate'")
+    if tokens < 2:  # before _prompt_len, which would blame --prompt-tokens
+        raise InputError(f"--tokens {tokens}: must be >= 2")
+    _check_seed(seed)
     ckpt = Checkpoint(src)
     ckpt.validate()
+    check_pair(ckpt, Path(bundle), read_model_config(bundle))  # another checkpoint's bundle: torch's size mismatch
     engine = open_engine(bundle, "mil", precision)
     encoder = _media_encoder(bundle, precision, images, audio, max_image_pixels)
     prompt_len = _prompt_len(prompt_len, tokens)
@@ -409,6 +418,43 @@ def _oracle_pixels(images: list, entry: dict) -> dict:
         pooling_kernel_size=entry["pooling_kernel_size"],
     )
     return processor([opened(i) for i in images], return_tensors="np")
+
+
+def check_pair(ckpt: Checkpoint, bundle: Path, config: dict) -> None:
+    """Refuse a bundle that was not converted from a checkpoint of this shape and vocabulary: what its
+    model_config.json records of the source config against the checkpoint's, and the two tokenizers."""
+    spec = ckpt.spec
+    expected = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "per_layer_dim": spec.per_layer_dim,
+        "layer_types": list(spec.layer_types),
+        "num_kv_shared_layers": spec.num_kv_shared_layers,
+        "num_attention_heads": spec.num_heads,
+        "embed_scale": spec.embed_scale,
+        "per_layer_embed_scale": spec.per_layer_embed_scale,
+        "final_logit_softcapping": spec.final_logit_softcapping,
+    }
+    for name, want in expected.items():
+        if name not in config:
+            continue  # a published bundle records fewer fields; those it has are checked
+        have = config[name]
+        same = math.isclose(have, want, rel_tol=1e-6) if isinstance(want, float) else have == want
+        if not same:
+            raise InputError(
+                f"{bundle / layout.MODEL_CONFIG}: {name}={have!r} but {ckpt.root / 'config.json'} has {want!r}: "
+                "the bundle is not of this checkpoint"
+            )
+    ours, theirs = bundle / layout.HF_TOKENIZER, ckpt.root / Path(layout.HF_TOKENIZER).name
+    if ours.is_file() and theirs.is_file() and sha256_file(ours) != sha256_file(theirs):
+        raise InputError(f"{ours}: differs from {theirs}: the bundle is not of this checkpoint")
+
+
+def _check_seed(seed: int) -> None:
+    """numpy's generator takes no negative seed, and says so without naming the flag."""
+    if seed < 0:
+        raise InputError(f"--seed {seed}: must be >= 0")
 
 
 def _prompt_len(prompt_len, tokens):
