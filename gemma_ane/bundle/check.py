@@ -28,7 +28,7 @@ from .layout import (
     package_path,
 )
 from .plan import device_cost
-from .schema import ASSISTANT, VISION, read_model_config
+from .schema import ASSISTANT, VISION, read_bundle_json, read_model_config
 
 
 def check_manifest(root: Path, sha256: bool = True) -> list[str]:
@@ -101,7 +101,7 @@ def prompt_paths(chunks: list[dict]) -> dict:
 
 def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     root = Path(root)
-    manifest = _read_manifest(root) if (root / MANIFEST).is_file() else None
+    manifest = read_bundle_json(root / MANIFEST) if (root / MANIFEST).is_file() else None
     planned = _planned_layers(manifest or {})
     chunks = []
     for path in chunk_paths(root):
@@ -119,13 +119,6 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
-
-
-def _read_manifest(root: Path) -> dict:
-    try:
-        return read_json_object(root / MANIFEST)
-    except FileFormatError as e:
-        raise BundleError(str(e)) from None
 
 
 def _planned_layers(manifest: dict) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import FileFormatError, read_json
+from ..files import FileFormatError, read_json, read_json_object
 from ..runtime.audio import MAX_SOFT_TOKENS, MEL_BINS, SAMPLE_RATE
 from ..runtime.images import SOFT_TOKEN_BUDGETS
 from .errors import BundleError
@@ -253,7 +253,7 @@ def _positive(v) -> bool:
     return _integer(v) and v > 0
 
 
-def _token(v) -> bool:
+def is_token(v) -> bool:
     return _integer(v) and v >= 0
 
 
@@ -279,8 +279,8 @@ TEXT_FIELDS = {
     "per_layer_dim": (True, "a positive integer", _positive),
     "embed_scale": (True, "a positive fp32 number", _scale),
     "per_layer_embed_scale": (True, "a positive fp32 number", _scale),
-    "bos_token_id": (False, "a token id", _token),
-    "eos_token_id": (False, "a token id", _token),
+    "bos_token_id": (False, "a token id", is_token),
+    "eos_token_id": (False, "a token id", is_token),
     "layer_types": (False, "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
     "sliding_window": (False, "a positive integer", _positive),  # the ring may be wider (spec.ring_slots)
     "context_length": (  # these four: the published plan's
@@ -343,7 +343,7 @@ ASSISTANT_FIELDS = {
         lambda v, a, c: (
             isinstance(v, dict)
             and FULL in v
-            and all(t in (SLIDING, FULL) and _token(i) and i < c["num_hidden_layers"] for t, i in v.items())
+            and all(t in (SLIDING, FULL) and is_token(i) and i < c["num_hidden_layers"] for t, i in v.items())
         ),
     ),
 }
@@ -362,7 +362,7 @@ VISION_FIELDS = {
         lambda v, e, c: isinstance(v, str) and v == Path(v).name and v not in ("", ".", ".."),
     ),
     **{
-        name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
+        name: ("a token id below vocab_size", lambda v, e, c: is_token(v) and v < c["vocab_size"])
         for name in VISION_TOKEN_IDS
     },
 }
@@ -393,7 +393,7 @@ AUDIO_FIELDS = {
     "mel_bins": (f"{MEL_BINS}", lambda v, e, c: _integer(v) and v == MEL_BINS),
     "sample_rate": (f"{SAMPLE_RATE}", lambda v, e, c: _integer(v) and v == SAMPLE_RATE),
     **{
-        name: ("a token id below vocab_size", lambda v, e, c: _token(v) and v < c["vocab_size"])
+        name: ("a token id below vocab_size", lambda v, e, c: is_token(v) and v < c["vocab_size"])
         for name in AUDIO_TOKEN_IDS
     },
 }
@@ -439,6 +439,15 @@ def read_model_config(root: Path) -> dict:
         raise BundleError(str(e)) from None
     check_model_config(config, str(path))
     return config
+
+
+def read_bundle_json(path: Path) -> dict:
+    """A JSON object of a bundle's (its manifest, hf_model/'s configs): damage is the bundle's, a BundleError naming
+    the file."""
+    try:
+        return read_json_object(path)
+    except FileFormatError as e:
+        raise BundleError(str(e)) from None
 
 
 def write_model_config(root: Path, config: dict) -> None:

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..bundle import BundleError, check_bundle, layout, read_model_config
+from ..bundle.schema import is_token, read_bundle_json
 from ..errors import InputError
-from ..files import FileFormatError, read_json_object
 from . import grammar, prompt_cache
 from .audio import AudioError
 from .backend import open_engine, pick_backend
@@ -638,14 +638,6 @@ def load(
     return model
 
 
-def _bundle_json(path: Path) -> dict:
-    """A JSON object of the bundle's, its damage a BundleError naming the file (the bundle's fault, not the user's)."""
-    try:
-        return read_json_object(path)
-    except FileFormatError as e:
-        raise BundleError(str(e)) from None
-
-
 def _tokenizer(path: Path):
     from tokenizers import Tokenizer
 
@@ -661,7 +653,7 @@ def _generation_config(path: Path) -> dict:
     defaults under the caller's, a bad one would be blamed on a sampling parameter the caller never gave."""
     if not path.is_file():
         return {}
-    generation = _bundle_json(path)
+    generation = read_bundle_json(path)
     rules = {f.name: f for f in FIELDS if f.name in GENERATION_CONFIG_FIELDS}
     for name, value in generation.items():
         if name in rules and value is not None:
@@ -670,13 +662,9 @@ def _generation_config(path: Path) -> dict:
             except SamplingError as e:
                 raise BundleError(f"{path}: {e}") from None
     eos = generation.get("eos_token_id", [])
-    if not all(_is_token(e) for e in (eos if isinstance(eos, list) else [eos])):
+    if not all(is_token(e) for e in (eos if isinstance(eos, list) else [eos])):
         raise BundleError(f"{path}: eos_token_id={eos!r:.40}: expected a token id or a list of token ids")
     return generation
-
-
-def _is_token(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _template(hf: Path) -> ChatTemplate:
@@ -689,7 +677,7 @@ def _template(hf: Path) -> ChatTemplate:
             raise BundleError(f"{path}: unreadable chat template ({e})") from None
     cfg = {}
     if (hf / "tokenizer_config.json").is_file():
-        cfg = _bundle_json(hf / "tokenizer_config.json")
+        cfg = read_bundle_json(hf / "tokenizer_config.json")
         if source is None and isinstance(cfg.get("chat_template"), str):
             source = cfg["chat_template"]
     bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
