@@ -1,0 +1,2 @@
+import GemmaANE
+print(GemmaANEVersion.string)

@@ -1,0 +1,4 @@
+import Testing
+@testable import GemmaANE
+
+@Test func versionIsSet() { #expect(!GemmaANEVersion.string.isEmpty) }
