@@ -1,2 +1,2 @@
 import GemmaANE
-print(GemmaANEVersion.string)
+print("gemma-ane-swift")

@@ -1,4 +1,0 @@
-import Testing
-@testable import GemmaANE
-
-@Test func versionIsSet() { #expect(!GemmaANEVersion.string.isEmpty) }
