@@ -77,3 +77,41 @@ def test_a_line_that_is_not_text_is_refused_and_the_chat_goes_on(chat):
     assert [t["messages"][-1]["content"] for t in turns] == ["Hello", "Goodbye"]
     assert "gemma-ane chat: error: " in err and "not valid text" in err and "lone surrogate" in err
     assert [m["content"] for m in turns[-1]["messages"] if m["role"] == "user"] == ["Hello", "Goodbye"]
+
+
+def test_commands_are_answered_and_never_sent(chat):
+    rc, out, err, turns = chat("/help\n/bogus now\n//etc is a folder\n/quit\nnever sent\n", "--max-tokens", "2")
+    assert rc == 0, err
+    assert [t["messages"][-1]["content"] for t in turns] == ["/etc is a folder"]  # `//` sends one slash
+    assert err.startswith("gemma-ane chat: type a message; /help, /quit, /exit")  # the banner lists the commands
+    assert "unknown command /bogus (not sent to the model); commands:" in err
+    assert err.count("  /think on|off") == 2 and "  /exit" in err  # /help's list, and the unknown command's
+
+
+def test_exit_leaves(chat):
+    rc, out, err, turns = chat("Hello\n/exit\nnever sent\n", "--max-tokens", "2")
+    assert rc == 0 and [t["messages"][-1]["content"] for t in turns] == ["Hello"]
+
+
+@pytest.mark.slow
+def test_a_long_chat_on_the_demo_reuses_the_cache(demo_bundle16, monkeypatch, capsys):
+    """The demo's defaults (context 512, max tokens 256) over 30 turns: a cut keeps about half of what the answer
+    leaves, so most turns grow on the cached prompt (a cut on every turn once full reprocessed every prompt)."""
+    from gemma_ane.oracle.demo_corpus import CAPITALS
+
+    model = gemma_ane.load(demo_bundle16, backend="mil")
+    reused, original = [], model.stream_generate
+
+    def recording(prompt=None, messages=None, **kw):
+        for ev in original(prompt, messages, **kw):
+            yield ev
+        reused.append(ev.reused_tokens / ev.prompt_tokens)
+
+    monkeypatch.setattr(gemma_ane, "load", lambda bundle, **kw: model)
+    monkeypatch.setattr(model, "stream_generate", recording)
+    questions = [f"What is the capital of {c}?" for c in CAPITALS] * 30
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(questions[:30]) + "\n"))
+    assert main(["chat", str(demo_bundle16), "--backend", "mil", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert len(reused) == 30 and "(dropped the " in err  # the context did fill
+    assert sum(r > 0.5 for r in reused) >= 24, reused

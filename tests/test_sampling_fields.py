@@ -10,7 +10,7 @@ import pytest
 from test_server import FakeModel
 
 from gemma_ane.cli import build_parser
-from gemma_ane.cli.run import _sampling
+from gemma_ane.cli.run import sampling
 from gemma_ane.runtime.model import Event
 from gemma_ane.runtime.sampling import FIELDS, SamplingError, SamplingParams
 from gemma_ane.server.app import build_app
@@ -43,8 +43,8 @@ def test_every_field_is_a_cli_flag(command, field):
     flag = "--" + field.name.replace("_", "-")
     argv = [command, "b", *(["-p", "hi"] if command == "generate" else []), flag, text]
     a = build_parser().parse_args(argv)
-    assert _sampling(a) == {field.name: value}
-    assert SamplingParams(**_sampling(a)).validate(vocab_size=10)  # what the API takes from it
+    assert sampling(a) == {field.name: value}
+    assert SamplingParams(**sampling(a)).validate(vocab_size=10)  # what the API takes from it
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from .. import __version__, files
 from ..errors import GemmaAneError, as_typed, option_strings
-from . import build, proof, run
+from . import build, chat, proof, run
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for commands in (build, run):
         commands.add_commands(sub)
+    chat.add_command(sub)
     from ..server import app  # its web stack is imported only when `serve` runs
 
     app.add_parser(sub)

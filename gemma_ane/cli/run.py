@@ -1,4 +1,4 @@
-"""Commands that run a bundle: `generate` (one prompt) and `chat` (a conversation on stdin)."""
+"""`generate` (one prompt) and what `chat` shares with it: sampling options, prompt cache files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..errors import InputError
-from ..runtime.audio import SAMPLE_RATE, AudioError, load_audio
+from ..runtime.audio import load_audio
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
@@ -30,7 +30,7 @@ def add_image_pixels(s):
     )
 
 
-def _sampling(a) -> dict:
+def sampling(a) -> dict:
     """The sampling flags given (sampling.FIELDS), as stream_generate's keyword arguments."""
     out = {f.name: getattr(a, f.name) for f in FIELDS if getattr(a, f.name) is not None}
     if "logit_bias" in out:
@@ -53,7 +53,7 @@ def cmd_generate(a):
 
     from .. import load
 
-    kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **_sampling(a))
+    kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **sampling(a))
     if a.json_schema is not None:
         kw["response_format"] = _response_format(a.json_schema)
     if a.audio and a.raw:
@@ -72,11 +72,11 @@ def cmd_generate(a):
     with step(a, f"loading {a.bundle}"):
         model = load(a.bundle, backend=a.backend, max_image_pixels=a.max_image_pixels)
     model.use_drafts(a.draft)
-    _load_cache(model, a.prompt_cache)
+    load_cache(model, a.prompt_cache)
     prompt = None if a.image or clips else a.prompt
     if a.json:
         result = model.generate(prompt, **kw)
-        _save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
+        save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
         print(json.dumps(dataclasses.asdict(result)))
         return 0
     for ev in model.stream_generate(prompt, **kw):
@@ -86,7 +86,7 @@ def cmd_generate(a):
         sys.stdout.flush()
     sys.stdout.write("\n")
     print(_summary(ev), file=sys.stderr)
-    _save_cache(model, a.prompt_cache, ev.prompt_tokens, a.system, a.prompt, a.think)
+    save_cache(model, a.prompt_cache, ev.prompt_tokens, a.system, a.prompt, a.think)
     return 0
 
 
@@ -116,12 +116,12 @@ def _response_format(text: str) -> dict:
     return fmt
 
 
-def _load_cache(model, path) -> None:
+def load_cache(model, path) -> None:
     if path and os.path.exists(path):
         print(f"prompt cache {path}: {model.load_prompt_cache(path)} tokens", file=sys.stderr)
 
 
-def _save_cache(model, path, prompt_tokens: int, system, prompt, think: bool) -> None:
+def save_cache(model, path, prompt_tokens: int, system, prompt, think: bool) -> None:
     """Save the caches of the system turn (without one, of the whole prompt) for the next run."""
     if not path:
         return
@@ -150,121 +150,6 @@ def _summary(last) -> str:
     )
 
 
-def _fit_context(model, head: list, messages: list, think: bool, max_tokens: int) -> list | None:
-    """`messages` (after the system turn `head`) if their prompt leaves room for the answer (max_tokens,
-    at most half the context). If not, the oldest exchanges go, with a note on stderr, until the prompt
-    fills at most half the context, as llama.cpp's context shift does: the turns that follow then reuse
-    the cached prompt instead of reprocessing it after a drop each. None, and a note, if even the last
-    message alone does not fit."""
-    ctx, room, sizes = model.context, min(max_tokens, model.context // 2), {}
-    for k in range(0, len(messages), 2):  # whole exchanges, so what is kept starts with a user turn
-        sizes[k] = len(model.prompt_ids(messages=head + messages[k:], enable_thinking=think))
-        if sizes[k] + room <= ctx and (k == 0 or sizes[k] <= ctx // 2):
-            break
-    else:  # no half-context cut: the smallest that fits
-        k = next((k for k, n in sizes.items() if n + room <= ctx), None)
-        if k is None:
-            print(
-                f"(not sent: this message needs {sizes[len(messages) - 1]} prompt tokens and {room} "
-                f"for the answer, more than the context of {ctx}; the conversation is unchanged)",
-                file=sys.stderr,
-            )
-            return None
-    if k:
-        print(f"(dropped the {k} oldest turns to fit the context of {ctx})", file=sys.stderr)
-    return messages[k:]
-
-
-def cmd_chat(a):
-    from .. import load
-
-    if a.prompt_cache:
-        writable(a.prompt_cache, "--prompt-cache")
-    with step(a, f"loading {a.bundle}"):
-        model = load(a.bundle, backend=a.backend)
-    model.use_drafts(a.draft)
-    _load_cache(model, a.prompt_cache)
-    system, think, messages = a.system, a.think, []
-    clips = []  # /audio's clips (samples), sent with the next message
-    interactive = sys.stdin.isatty()
-    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes arrive as surrogates, refused per line
-        sys.stdin.reconfigure(errors="surrogateescape")
-    while True:
-        if interactive:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
-            break
-        line = line.rstrip("\n")
-        if not line.strip():
-            continue
-        if line == "/reset":
-            messages, clips = [], []
-            model.reset()
-            print("(conversation cleared)")
-            continue
-        if line.startswith("/system"):
-            system = line[len("/system") :].strip() or None
-            messages, clips = [], []
-            print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
-            continue
-        if line.startswith("/think"):
-            arg = line[len("/think") :].strip()
-            if arg not in ("on", "off"):
-                print("usage: /think on|off")
-                continue
-            think = arg == "on"
-            print(f"(thinking {arg})")
-            continue
-        if line == "/audio" or line.startswith("/audio "):
-            try:
-                clips.append(_clip(model, line[len("/audio") :].strip()))
-            except ValueError as e:  # no such file, not audio, too long: this command only, never the chat
-                print(f"gemma-ane chat: error: {e}", file=sys.stderr)
-                continue
-            print(f"(audio: {len(clips[-1]) / SAMPLE_RATE:.1f} s, sent with your next message)")
-            continue
-        head = [{"role": "system", "content": system}] if system else []
-        content = [{"type": "audio", "audio": x} for x in clips] + [{"type": "text", "text": line}] if clips else line
-        clips = []
-        try:
-            fitted = _fit_context(model, head, [*messages, {"role": "user", "content": content}], think, a.max_tokens)
-            if fitted is None:
-                continue
-            answer, last = _answer(model, head + fitted, think, a)
-        except ValueError as e:  # text that is not text, a failing template: this turn only, never the chat
-            print(f"gemma-ane chat: error: {e}", file=sys.stderr)
-            continue
-        if not messages:  # the first turn of a conversation: its system turn is what recurs
-            _save_cache(model, a.prompt_cache, last.prompt_tokens, system, line, think)
-        messages = [*fitted, {"role": "assistant", "content": answer}]
-    return 0
-
-
-def _clip(model, path: str):
-    """/audio's clip: the file's samples, checked against the bundle's audio model (the error names the file)."""
-    if not path:
-        raise InputError("usage: /audio FILE")
-    if model.audio is None:
-        raise AudioError("/audio: this bundle has no audio model (converted without one)")
-    return load_audio(path, "/audio", model.audio.max_seconds)
-
-
-def _answer(model, convo: list[dict], think: bool, a):
-    """Stream one answer (thinking to stderr, so stdout holds only the answers); (text, last event)."""
-    answer = ""
-    for ev in model.stream_generate(messages=convo, max_tokens=a.max_tokens, enable_thinking=think, **_sampling(a)):
-        if ev.reasoning:
-            sys.stderr.write(ev.reasoning)
-            sys.stderr.flush()
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
-        answer += ev.text
-    sys.stdout.write("\n")
-    return answer, ev
-
-
 BACKENDS = ["auto", "coreml", "mil"]
 BACKEND_HELP = "coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil"
 
@@ -280,7 +165,7 @@ def _with_default(f) -> str:
     return f"{f.help} (default: {bundle}{shown})"
 
 
-def _add_sampling(s):
+def add_sampling(s):
     s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     s.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have")
     s.add_argument("--system", help="a system turn before the conversation")
@@ -325,10 +210,5 @@ def add_commands(sub) -> None:
         metavar="SCHEMA",
         help="constrain the answer to JSON following SCHEMA (a JSON schema, inline or a file; '{}': any object)",
     )
-    _add_sampling(s)
+    add_sampling(s)
     s.set_defaults(fn=cmd_generate)
-
-    s = sub.add_parser("chat", help="multi-turn chat (reads stdin; /reset, /system TEXT, /think on|off, /audio FILE)")
-    s.add_argument("bundle", help="bundle directory")
-    _add_sampling(s)
-    s.set_defaults(fn=cmd_chat)
