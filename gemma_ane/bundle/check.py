@@ -25,6 +25,7 @@ from .layout import (
     chunk_paths,
     model_name,
     model_paths,
+    not_a_checkpoint,
     package_path,
 )
 from .plan import device_cost
@@ -195,6 +196,7 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     root = Path(root)
     if not root.is_dir():  # one line, as load and inspect say it, not a "missing" line for every required file
         raise BundleError(f"{root}: not a bundle directory")
+    not_a_checkpoint(root)
     problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
     if (root / MANIFEST).exists():
         problems += check_manifest(root, sha256)

@@ -80,11 +80,19 @@ def model_name(path: Path) -> str:
     return Path(path).name.split(".")[0]
 
 
+def not_a_checkpoint(root: Path) -> None:
+    """A common slip, named as such: a Hugging Face checkpoint (config.json and safetensors weights at its top, no
+    model_config.json) given where its bundle is meant."""
+    if (root / "config.json").is_file() and not (root / MODEL_CONFIG).exists() and any(root.glob("*.safetensors")):
+        raise BundleError(f"{root}: a Hugging Face checkpoint, not a bundle: run `gemma-ane convert {root} OUT` first")
+
+
 def chunk_paths(root: Path) -> list[Path]:
     """chunk_1..chunk_N, as .mlpackage or compiled .mlmodelc."""
     root = Path(root)
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
+    not_a_checkpoint(root)
     found = []
     for i in range(MAX_CHUNKS):
         paths = model_paths(root, chunk_name(i))

@@ -14,6 +14,7 @@ from ..runtime.audio import load_audio
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
+from ..runtime.tokens import TokenBytes
 from ..runtime.tools import MAX_DEPTH
 from .steps import add_quiet, step, writable
 
@@ -48,11 +49,29 @@ def _bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ID=BIAS, e.g. 106=-100") from None
 
 
+MAX_STDIN_PROMPT = 4 << 20  # bytes `-p -` reads: far past any context, short of a pipe that never ends
+
+
+def read_prompt(text: str, flag: str = "--prompt") -> str:
+    """The prompt as given, or standard input's for `-` (read with a bound; the one newline `echo` ends it with
+    dropped)."""
+    if text != "-":
+        return text
+    data = sys.stdin.buffer.read(MAX_STDIN_PROMPT + 1)
+    if len(data) > MAX_STDIN_PROMPT:
+        raise InputError(f"{flag} -: standard input holds more than {MAX_STDIN_PROMPT >> 20} MiB")
+    try:
+        return data.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{flag} -: standard input is not UTF-8 (byte {e.start})") from None
+
+
 def cmd_generate(a):
     import dataclasses
 
     from .. import load
 
+    a.prompt = read_prompt(a.prompt)
     kw = dict(max_tokens=a.max_tokens, raw=a.raw, enable_thinking=a.think, system=a.system, **sampling(a))
     if a.json_schema is not None:
         kw["response_format"] = _response_format(a.json_schema)
@@ -77,17 +96,76 @@ def cmd_generate(a):
     if a.json:
         result = model.generate(prompt, **kw)
         save_cache(model, a.prompt_cache, result.prompt_tokens, a.system, a.prompt, a.think)
-        print(json.dumps(dataclasses.asdict(result)))
+        out = dataclasses.asdict(result)
+        if result.logprobs:  # each token's text beside its id, as the server's logprobs give it
+            out["token_text"] = [piece(model.tokenizer, t) for t in result.tokens]
+            out["top_logprobs"] = [[[t, piece(model.tokenizer, t), lp] for t, lp in top] for top in result.top_logprobs]
+        print(json.dumps(out))
         return 0
+    rows = []
     for ev in model.stream_generate(prompt, **kw):
         if ev.reasoning:
             sys.stderr.write(ev.reasoning)
         sys.stdout.write(ev.text)
         sys.stdout.flush()
+        if ev.logprob is not None:
+            rows.append((ev.token, ev.logprob, ev.top_logprobs))
     sys.stdout.write("\n")
+    if rows:
+        print(logprob_table(model.tokenizer, rows))
     print(_summary(ev), file=sys.stderr)
     save_cache(model, a.prompt_cache, ev.prompt_tokens, a.system, a.prompt, a.think)
     return 0
+
+
+def piece(tokenizer, token: int) -> str:
+    """A token's own text, as the server's logprobs show it; a piece of a character shows its bytes (<0xE2>)."""
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    if "\ufffd" in text:
+        raw = TokenBytes(tokenizer)(token) or b""
+        text = "".join(f"<0x{b:02X}>" for b in raw) or text
+    return text
+
+
+def logprob_table(tokenizer, rows: list) -> str:
+    """--logprobs as text: each generated token with its logprob, then the alternatives with theirs."""
+    lines = ["logprobs (token, logprob | alternatives):"]
+    for token, lp, top in rows:
+        alternatives = "  ".join(f"{json.dumps(piece(tokenizer, t))} {x:.3f}" for t, x in top)
+        lines.append(f"  {json.dumps(piece(tokenizer, token)):<16} {lp:8.3f}" + (f" | {alternatives}" if top else ""))
+    return "\n".join(lines)
+
+
+def cmd_tokenize(a):
+    """Text to token ids and their pieces (--logit-bias takes ids), or --decode's ids back to text."""
+    from ..runtime.model import bundle_tokenizer
+
+    tokenizer = bundle_tokenizer(a.bundle)
+    if a.decode:
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        past = [t for t in a.decode if t >= n]
+        if past:
+            raise InputError(f"--decode: token id {past[0]} is past the vocabulary ({n} tokens)")
+        print(tokenizer.decode(a.decode, skip_special_tokens=False))
+        return 0
+    ids = tokenizer.encode(read_prompt(a.text, "TEXT"), add_special_tokens=False).ids
+    if a.json:
+        print(json.dumps({"ids": ids, "pieces": [piece(tokenizer, t) for t in ids]}))
+        return 0
+    print(" ".join(map(str, ids)))
+    for t in ids:
+        print(f"  {t:>7}  {json.dumps(piece(tokenizer, t))}")
+    return 0
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids, e.g. 106,2") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: token ids are not negative")
+    return ids
 
 
 def _response_format(text: str) -> dict:
@@ -188,7 +266,9 @@ def add_sampling(s):
 def add_commands(sub) -> None:
     s = sub.add_parser("generate", help="generate text from a prompt")
     s.add_argument("bundle", help="bundle directory")
-    s.add_argument("-p", "--prompt", required=True, help="the user's message (with --raw: the whole text)")
+    s.add_argument(
+        "-p", "--prompt", required=True, help="the user's message (with --raw: the whole text; -: standard input)"
+    )
     s.add_argument(
         "--image",
         action="append",
@@ -212,3 +292,10 @@ def add_commands(sub) -> None:
     )
     add_sampling(s)
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("tokenize", help="text to token ids and pieces (for --logit-bias), or ids back to text")
+    s.add_argument("bundle", help="bundle directory (its tokenizer)")
+    s.add_argument("text", nargs="?", default="-", help="the text (-, or none: standard input)")
+    s.add_argument("--decode", type=_ids, metavar="IDS", help="token ids (106,2 or '106 2') to turn back into text")
+    s.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
+    s.set_defaults(fn=cmd_tokenize)

@@ -638,6 +638,13 @@ def load(
     return model
 
 
+def bundle_tokenizer(bundle) -> object:
+    """A bundle's tokenizer alone (`gemma-ane tokenize`), without loading its models."""
+    root = Path(bundle)
+    layout.chunk_paths(root)  # not a directory, a checkpoint: said as load says it
+    return _tokenizer(root / layout.HF_TOKENIZER)
+
+
 def _tokenizer(path: Path):
     from tokenizers import Tokenizer
 
