@@ -87,3 +87,18 @@ def test_a_checkpoint_where_a_bundle_is_meant_is_named(capsys, tiny_e2b):
 def test_python_dash_m_gemma_ane_is_the_command():
     r = subprocess.run([sys.executable, "-m", "gemma_ane", "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("gemma-ane "), r.stderr
+
+
+def test_the_library_keeps_quiet_and_the_command_says_its_backend(capfd, caplog, tiny_bundle16):
+    import logging
+
+    import gemma_ane
+
+    assert "logging" not in vars(gemma_ane)
+    with caplog.at_level(logging.INFO, logger="gemma_ane"):
+        gemma_ane.load(tiny_bundle16)  # backend "auto"
+    assert capfd.readouterr() == ("", "")  # nothing printed
+    assert [r.getMessage() for r in caplog.records] == ["backend: mil (MIL executor)"]  # logged instead
+    assert main(["tokenize", str(tiny_bundle16), "x"]) == 0  # a command that loads no model says nothing of one
+    assert main(["generate", str(tiny_bundle16), "-p", "hi", "--max-tokens", "1"]) == 0
+    assert "backend: mil (MIL executor)\n" in capfd.readouterr().err

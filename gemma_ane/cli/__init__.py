@@ -5,6 +5,7 @@ a signal: 128+N; a closed pipe ends quietly); nothing here computes anything its
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -105,7 +106,29 @@ def _closed_stream(command: str) -> str | None:
     return None
 
 
+class _Stderr(logging.Handler):
+    """The library's log lines (which backend `auto` picked) on stderr as the command's notes: whatever sys.stderr
+    is when one is written (tests swap it)."""
+
+    def emit(self, record):
+        print(self.format(record), file=sys.stderr)
+
+
 def main(argv=None) -> int:
+    """The command: the library's INFO lines shown on stderr while it runs (an app that calls main keeps its own
+    logging after)."""
+    log, handler = logging.getLogger("gemma_ane"), _Stderr()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        return _main(argv)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # warnings (a function the device refuses, a bundle's RoPE tables) as one line, not a source dump

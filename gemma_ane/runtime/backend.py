@@ -11,8 +11,8 @@ Torch-free: this is the runtime side.
 
 from __future__ import annotations
 
+import logging
 import platform
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +28,7 @@ from ..bundle.tables import check_norm_sidecar, check_rope, load_host
 from ..errors import DeviceError
 from .engine import Engine, FunctionUnavailable
 
+log = logging.getLogger(__name__)
 BACKENDS = ("auto", "coreml", "mil")
 COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
 
@@ -232,7 +233,7 @@ def pick_backend(backend: str) -> str:
         raise BackendError(f"backend={backend!r}: choose {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "coreml" if platform.system() == "Darwin" else "mil"
-        print(f"backend: {backend} ({'Core ML' if backend == 'coreml' else 'MIL executor'})", file=sys.stderr)
+        log.info("backend: %s (%s)", backend, "Core ML" if backend == "coreml" else "MIL executor")
     if backend == "coreml" and platform.system() != "Darwin":
         # said in words both a CLI user (--backend mil) and a Python caller (backend="mil") act on
         raise BackendError("backend coreml: Core ML prediction needs macOS; choose backend mil (the MIL executor)")
