@@ -4,18 +4,23 @@ Engine's published rules, since we cannot run the Neural Engine itself.
 It reads the saved artifact alone (as `package.py` does), so what it judges is what Core ML will
 load. Each rule is a small check yielding (verdict, op type, op name, detail); equal hits become
 one finding with a count and an example. A "violation" fails its function, chunk and bundle; a
-"note" does not. A compiled .mlmodelc cannot be read back: it is "not audited", never "pass".
+"note" does not. A compiled .mlmodelc cannot be read back: it is "not audited", never "pass". What the audit
+cannot judge fails: an op type it does not know (nothing of it runs), a package it cannot read (a state past what
+a package may declare, a negative dimension), each named in the report.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from ..bundle import chunk_paths, host, layout
+from ..errors import BundleError
 from ..files import read_json
+from ..mil.ops import OPS
 from ..mil.package import Package
 from ..mil.program import BITS
 
@@ -52,6 +57,8 @@ RULES = {
     "lut4-state": "coremltools#2716 (open): 4-bit palettized stateful packages built with coremltools 9.0 are "
     "reported to crash after ~100-200 sequential predictions on the ANE, 8.3.0 builds of the same source not; "
     "a bug report, not a rule: a note",
+    "known": "every op is of a type the MIL executor implements (the ops the converter writes): of any other the audit "
+    "knows nothing, so it fails, whatever its name says",
     "block": "block-wise linear weights (constexpr_blockwise_shift_scale, iOS 18 / macOS 15). Known: coremltools' "
     "guide (Optimizing Models > Quantization > Performance, apple.github.io/coremltools/docs-guides/source/"
     "opt-quantization-perf.html) says per-block scales, 'especially useful when employing quantization to 4-bits', "
@@ -84,7 +91,7 @@ def _desc(var) -> str:
 
 
 def _size(var) -> int:
-    return 0 if _symbolic(var.shape) else int(np.prod(var.shape))
+    return 0 if _symbolic(var.shape) else math.prod(var.shape)  # exact: numpy's int64 product wraps
 
 
 def _is_weight(op) -> bool:
@@ -173,7 +180,18 @@ def check_finite(fn):
             yield V, "const", op.name, f"|v| = {a.max():g} (fp16's limit) in {_desc(v)} feeding {_uses(v)}"
 
 
+# the op types the reader makes itself (`mil/program.py`) or the executor runs outside its table
+_KNOWN = set(OPS) | {"const", "read_state", "coreml_update_state", "linear"}
+
+
+def check_known(fn):
+    for op in fn.operations:
+        if op.op_type not in _KNOWN:
+            yield V, op.op_type, op.name, "an op type the audit does not know"
+
+
 FUNCTION_CHECKS = {
+    "known": check_known,
     "rank": check_rank,
     "static": check_static,
     "fp16": check_fp16,
@@ -273,8 +291,11 @@ def _audit_model(path: Path, built_with: str | None) -> dict:
     entry = {"name": layout.model_name(path), "path": path.name}
     if path.suffix == ".mlmodelc":
         entry.update(verdict="not audited", reason="compiled; audit the .mlpackage before compiling")
-    else:
+        return entry
+    try:
         entry.update(audit_package(path, built_with))
+    except BundleError as e:  # a package the audit cannot read is one it cannot judge: it fails, saying why
+        entry.update(verdict="fail", reason=f"unreadable: {e}")
     return entry
 
 
