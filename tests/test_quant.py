@@ -3,7 +3,9 @@ which, `inspect --ane` notes where the Neural Engine's support is documented, an
 converted with `block` is lossless up to fp16 arithmetic (bench/quant_quality.py builds it)."""
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import coremltools as ct
@@ -12,6 +14,7 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
+from gemma_ane.bundle.spec import ModelSpec
 from gemma_ane.cli import main
 from gemma_ane.convert import ConvertError, ConvertOptions
 from gemma_ane.convert.blockquant import dequantize_blockwise
@@ -39,11 +42,59 @@ def run(capsys, *argv) -> tuple[int, str, str]:
         (dict(quant="block", bits=6), "--bits 6: --quant block stores int4 or int8; choose 4, 8 or 16"),
         (dict(quant="block", vision_bits=6), "--vision-bits 6: --quant block stores int4 or int8"),
         (dict(keep=("layers_(",)), r"--keep 'layers_\(': not a regular expression"),
+        # Python's parser recursed once per group: a RecursionError traceback
+        (dict(keep=("(" * 5000 + "a" + ")" * 5000,)), r"\.\.\.: 10001 characters \(at most 500\)"),
+        (dict(keep=("(" * 17 + "o_proj" + ")" * 17,)), r"groups nested 17 deep \(at most 16\)"),
+        # each ran for hours on a name it did not match: exponential backtracking
+        (dict(keep=(r"(\w|\w)*!",)), r"a repeated group holds another repeat or an alternation"),
+        (
+            dict(keep=(r"o_proj", r"(layers_\d+_)+x")),
+            re.escape("--keep " + repr(r"(layers_\d+_)+x") + ": a repeated group"),
+        ),
     ],
 )
 def test_bad_quantization_options_are_refused_in_one_line(options, message):
-    with pytest.raises(ConvertError, match=message):
+    started = time.monotonic()
+    with pytest.raises(ConvertError, match=message) as e:
         ConvertOptions(**options).check()
+    assert "\n" not in str(e.value) and time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize(
+    "keep", [r"layers_0_.*o_proj", r"(q|k|v)_proj", r"layers\.(1|2)\.", r"[qkv]_proj+", r"(?:ab)*c"]
+)
+def test_ordinary_keep_patterns_pass(keep):
+    ConvertOptions(keep=(keep,)).check()
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (dict(quant="block", group_size=3), "does not divide 64, the inputs"),  # it divides none of e2b-mini's
+        (dict(quant="block", group_size=2**40), "does not divide 64, the inputs"),
+        (dict(quant="block", group_size=128), "does not divide 64, the inputs"),  # divides some, not the hidden width
+        (dict(quant="lut", group_size=2**40), "does not divide 32, the output rows"),  # divides none
+        (dict(quant="block", group_size=32), None),
+        (dict(quant="block", group_size=64), None),
+        (dict(quant="lut", group_size=128), None),  # some rows stay fp16, with a note (as gqa-mini's at 32)
+        (dict(quant="block", group_size=3, bits=16), None),  # nothing is quantized
+    ],
+)
+def test_a_group_size_that_leaves_the_weights_fp16_is_refused(tiny_e2b, options, refused):
+    spec = ModelSpec.from_pretrained(tiny_e2b)
+    divisor = 64 if options["quant"] == "block" else 16  # e2b-mini: inputs 64, 128, 256; rows 32 ... 512 and 240
+    if refused is None:
+        ConvertOptions(**options).check_group_size(spec)
+        return
+    with pytest.raises(ConvertError, match=rf"^--group-size {options['group_size']}: {refused}.*divisor of {divisor}$"):
+        ConvertOptions(**options).check_group_size(spec)
+
+
+def test_convert_refuses_the_group_size_before_converting(tiny_e2b, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, text, err = run(capsys, "convert", tiny_e2b, out, "--quant", "block", "--group-size", 3, "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and "--group-size 3: does not divide 64" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
 
 
 def test_the_cli_refuses_before_reading_the_checkpoint(capsys, tmp_path):

@@ -165,6 +165,7 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     root = resolve_source(src)
     ckpt = Checkpoint(root)
     ckpt.validate()
+    options.check_group_size(ckpt.spec)
     kv = options.kv_prefill_batches
     if kv is None:
         kv = default_kv_batches(ckpt.spec)
