@@ -6,6 +6,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import coremltools as ct
@@ -186,13 +187,44 @@ def test_the_lut_pass_is_the_default_and_inspect_and_the_audit_name_each_form(tm
     want = x.astype(np.float32) @ w["a_weight"].astype(np.float32).T @ w["b_weight"].astype(np.float32).T
     got = MILModel(tmp_path / "block" / "chunk_1.mlpackage", precision="fp32").predict({"x": x})
     np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)
-    notes = [f for c in audit_bundle(tmp_path / "block")["chunks"] for f in c["findings"] if f["rule"] == "block"]
-    assert [(n["verdict"], n["count"]) for n in notes] == [("note", 2)]
-    assert "int8 weights, one scale per 32 inputs (per-block: documented gains on the GPU)" in notes[0]["detail"]
-    text = format_audit(audit_bundle(tmp_path / "block"))
-    assert "opt-quantization-perf" not in text  # a note does not print its rule; the JSON report carries it
-    assert "opt-quantization-perf" in audit_bundle(tmp_path / "block")["rules"]["block"]
+    report = audit_bundle(tmp_path / "block")
+    found = [f for c in report["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    # per-block weights leave the Neural Engine (coremltools#2510) and were reported wrong there (coreai-models#279)
+    assert [(n["verdict"], n["count"]) for n in found] == [("violation", 2)] and report["verdict"] == "fail"
+    assert "int8 weights, one scale per 32 inputs: per-block, runs on the CPU" in found[0]["detail"]
+    text = format_audit(report)
+    assert "rule block: Core ML runs per-block linear weights" in text  # a violation prints its rule, and why
+    assert "coremltools issue 2510" in text and "coreai-models issue 279" in text
     assert not [f for c in audit_bundle(tmp_path / "lut")["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    assert audit_bundle(tmp_path / "lut")["verdict"] == "pass"
+
+
+def test_per_channel_block_weights_stay_a_note(tmp_path):
+    """One scale per row (--group-size = the input width) is the per-channel form the Neural Engine executes."""
+    prog = linear_program({"a_weight": grid_weight(64, 128, 2)})
+    _palettize_pass(ConvertOptions(quant="block", bits=8, group_size=128), {}, set())(prog)
+    ct.convert(prog, minimum_deployment_target=iOS18, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True).save(
+        str(tmp_path / "b" / "chunk_1.mlpackage")
+    )
+    report = audit_bundle(tmp_path / "b")
+    [found] = [f for c in report["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    assert found["verdict"] == "note" and "per-channel" in found["detail"] and report["verdict"] == "pass"
+
+
+def test_convert_warns_that_block_weights_leave_the_neural_engine(tiny_e2b, tmp_path):
+    """Said once the options are checked, before the conversion (here refused right after it: OUT lies inside the
+    checkpoint), so a user who picked block for its exact QAT result can still choose."""
+    from gemma_ane.convert import convert
+
+    with pytest.warns(UserWarning, match=r"^--quant block: Core ML runs per-block linear weights .* on the CPU") as w:
+        with pytest.raises(ConvertError, match="must not be, hold or lie inside the checkpoint"):
+            convert(str(tiny_e2b), str(tiny_e2b / "out"), ConvertOptions(quant="block"), progress=False)
+    assert "coremltools issue 2510" in str(w[0].message) and "coreai-models issue 279" in str(w[0].message)
+    for options in (ConvertOptions(), ConvertOptions(quant="block", bits=16)):  # LUT; nothing quantized
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ConvertError, match="must not be, hold or lie inside the checkpoint"):
+                convert(str(tiny_e2b), str(tiny_e2b / "out"), options, progress=False)
 
 
 def test_the_grids_are_exact_where_the_bundle_reads_them():
