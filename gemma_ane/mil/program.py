@@ -210,9 +210,8 @@ def _mil_type(value_type) -> tuple[str, tuple, bool]:
         raise ProgramError(f"a {kind} value (only tensors and states are read)")
     t = value_type.tensorType
     if t.dataType not in _MIL_TYPES:
-        names = pb2(
-            "MIL_pb2"
-        ).DataType.DESCRIPTOR.values_by_number  # a number no enum names is the file's, not protobuf's error
+        # a number no enum names is the file's error (protobuf's Name() would raise a bare ValueError)
+        names = pb2("MIL_pb2").DataType.DESCRIPTOR.values_by_number
         name = names[t.dataType].name if t.dataType in names else f"number {t.dataType}"
         raise ProgramError(f"data type {name} (not read)")
     shape = tuple(d.constant.size if d.HasField("constant") else None for d in t.dimensions)
