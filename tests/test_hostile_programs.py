@@ -186,6 +186,13 @@ def test_a_malformed_interface_is_refused_before_anything_is_allocated(saved, tm
     assert model is None
 
 
+def test_a_state_of_no_dimension_fails_the_audit(saved, tmp_path):
+    pkg = edited(saved, tmp_path, lambda spec: spec.description.state[0].type.stateType.arrayType.ClearField("shape"))
+    report = audit_bundle(pkg.parent)
+    assert report["verdict"] == "fail"
+    assert any(f["detail"] == "a state of no dimension" for f in report["chunks"][0]["findings"])
+
+
 def test_the_state_bound_admits_the_largest_real_cache():
     """E4B's five full-attention cache owners in one chunk at the full 131072-token context: K and V, 2 KV heads,
     width 512, fp16 (the sliding rings are a few MB more)."""

@@ -212,6 +212,9 @@ def check_states(program, states: dict, built_with):
         yield V, "state", next(iter(states)), f"{len(states)} states (at most {MAX_STATES}): {', '.join(states)}"
     for name, t in states.items():
         shape = t["shape"]
+        if not shape:  # a scalar state holds no cache, and Core ML's states are tensors
+            yield V, "state", name, "a state of no dimension"
+            continue
         if shape[-1] % 32:
             yield V, "state", name, f"last axis {shape[-1]} not a multiple of 32: {shape}"
         if len(shape) > 1 and shape[-2] > 1 and shape[-2] % 32:  # a size-1 axis is a batch, not a width
