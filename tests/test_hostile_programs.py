@@ -250,3 +250,11 @@ def test_the_audit_report_names_an_unreadable_package(saved, tmp_path, capsys):
     assert out[-1] == "Neural Engine audit: fail"
     assert main(["inspect", str(pkg.parent), "--ane", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["chunks"][0]["verdict"] == "fail"
+
+
+@pytest.mark.parametrize("edit", [_no_name_string, _unknown_dtype, _short_immediate, _description_dtype, _huge_state])
+def test_the_cli_prints_one_line_naming_the_package(saved, tmp_path, capsys, edit):
+    pkg = edited(saved, tmp_path, edit)
+    assert main(["inspect", str(pkg.parent), "--no-sha"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gemma-ane inspect: error: {pkg}: ") and "model.mlmodel" in err[0], err
