@@ -243,3 +243,9 @@ def test_a_bad_allow_fetch_from_is_refused_before_loading(monkeypatch, tmp_path,
     assert server.main([str(tmp_path), "--allow-remote-images", "--allow-fetch-from", "not a host"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gemma-ane serve: error: --allow-fetch-from: 'not a host': expected an address")
+    flags = ["--allow-fetch-from", "10.0.0.0/8", "--allow-fetch-from", "0.0.0.0/0"]  # the fence off: refused too
+    assert server.main([str(tmp_path), "--allow-remote-images", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "gemma-ane serve: error: --allow-fetch-from: '0.0.0.0/0': covers every address (the fence would be off)"
+    )
