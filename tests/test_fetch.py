@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import re
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from test_server import CHAT, assert_openai_error
 from test_server_images import SMALL, ask, fake, remote, serving, text
 
+from gemma_ane.errors import InputError
 from gemma_ane.server import fetch
 from gemma_ane.server.fetch import Allowlist, FetchError
 
@@ -88,6 +90,41 @@ def test_the_allowlist_admits_named_hosts_and_networks(monkeypatch):
     for bad in ["", "a b", "http://x/"]:
         with pytest.raises(ValueError, match="allow_fetch_from"):
             Allowlist([bad])
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("0.0.0.0/0", "covers every address"),
+        ("::/0", "covers every address"),
+        ("0.0.0.0/1", "covers this machine's addresses"),  # half of IPv4, loopback included
+        ("127.0.0.0/8", "covers this machine's addresses"),
+        ("::ffff:0:0/96", "covers this machine's addresses"),  # every IPv4 address, mapped
+        ("0.0.0.0", "covers this machine's addresses"),  # a connection to it reaches this machine
+        ("128.0.0.0/1", "covers link-local addresses"),
+        ("169.254.169.254", "covers link-local addresses"),  # the cloud's metadata service
+        ("fe80::/10", "covers link-local addresses"),
+        ("::ffff:169.254.169.254", "covers link-local addresses"),
+        ("10.0.0.1/8", r"host bits set \(the network is 10.0.0.0/8\)"),
+        ("300.1.1.1", "expected an address, a CIDR network or a host name"),
+        ("127.1", "expected an address, a CIDR network or a host name"),  # inet_aton's 127.0.0.1
+    ],
+)
+def test_the_allowlist_refuses_what_would_open_the_fence(entry, why):
+    with pytest.raises(InputError, match=rf"^allow_fetch_from: {re.escape(repr(entry))}: {why}"):
+        Allowlist([entry])
+
+
+def test_the_allowlist_still_takes_one_loopback_address_and_private_networks():
+    import ipaddress
+
+    allow = Allowlist(["127.0.0.1", "::1", "192.168.0.0/16", "fd00::/8", "images.internal", "10.1.2.3/32"])
+    assert allow.allows("x", ipaddress.ip_address("127.0.0.1")) and not allow.allows(
+        "x", ipaddress.ip_address("127.0.0.2")
+    )
+    assert allow.allows("x", ipaddress.ip_address("192.168.4.5")) and allow.allows(
+        "x", ipaddress.ip_address("10.1.2.3")
+    )
 
 
 @contextlib.contextmanager
@@ -206,3 +243,9 @@ def test_a_bad_allow_fetch_from_is_refused_before_loading(monkeypatch, tmp_path,
     assert server.main([str(tmp_path), "--allow-remote-images", "--allow-fetch-from", "not a host"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gemma-ane serve: error: --allow-fetch-from: 'not a host': expected an address")
+    flags = ["--allow-fetch-from", "10.0.0.0/8", "--allow-fetch-from", "0.0.0.0/0"]  # the fence off: refused too
+    assert server.main([str(tmp_path), "--allow-remote-images", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "gemma-ane serve: error: --allow-fetch-from: '0.0.0.0/0': covers every address (the fence would be off)"
+    )

@@ -3,7 +3,10 @@ which, `inspect --ane` notes where the Neural Engine's support is documented, an
 converted with `block` is lossless up to fp16 arithmetic (bench/quant_quality.py builds it)."""
 
 import json
+import re
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import coremltools as ct
@@ -12,6 +15,7 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
+from gemma_ane.bundle.spec import ModelSpec
 from gemma_ane.cli import main
 from gemma_ane.convert import ConvertError, ConvertOptions
 from gemma_ane.convert.blockquant import dequantize_blockwise
@@ -39,11 +43,59 @@ def run(capsys, *argv) -> tuple[int, str, str]:
         (dict(quant="block", bits=6), "--bits 6: --quant block stores int4 or int8; choose 4, 8 or 16"),
         (dict(quant="block", vision_bits=6), "--vision-bits 6: --quant block stores int4 or int8"),
         (dict(keep=("layers_(",)), r"--keep 'layers_\(': not a regular expression"),
+        # Python's parser recursed once per group: a RecursionError traceback
+        (dict(keep=("(" * 5000 + "a" + ")" * 5000,)), r"\.\.\.: 10001 characters \(at most 500\)"),
+        (dict(keep=("(" * 17 + "o_proj" + ")" * 17,)), r"groups nested 17 deep \(at most 16\)"),
+        # each ran for hours on a name it did not match: exponential backtracking
+        (dict(keep=(r"(\w|\w)*!",)), r"a repeated group holds another repeat or an alternation"),
+        (
+            dict(keep=(r"o_proj", r"(layers_\d+_)+x")),
+            re.escape("--keep " + repr(r"(layers_\d+_)+x") + ": a repeated group"),
+        ),
     ],
 )
 def test_bad_quantization_options_are_refused_in_one_line(options, message):
-    with pytest.raises(ConvertError, match=message):
+    started = time.monotonic()
+    with pytest.raises(ConvertError, match=message) as e:
         ConvertOptions(**options).check()
+    assert "\n" not in str(e.value) and time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize(
+    "keep", [r"layers_0_.*o_proj", r"(q|k|v)_proj", r"layers\.(1|2)\.", r"[qkv]_proj+", r"(?:ab)*c"]
+)
+def test_ordinary_keep_patterns_pass(keep):
+    ConvertOptions(keep=(keep,)).check()
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (dict(quant="block", group_size=3), "does not divide 64, the inputs"),  # it divides none of e2b-mini's
+        (dict(quant="block", group_size=2**40), "does not divide 64, the inputs"),
+        (dict(quant="block", group_size=128), "does not divide 64, the inputs"),  # divides some, not the hidden width
+        (dict(quant="lut", group_size=2**40), "does not divide 32, the output rows"),  # divides none
+        (dict(quant="block", group_size=32), None),
+        (dict(quant="block", group_size=64), None),
+        (dict(quant="lut", group_size=128), None),  # some rows stay fp16, with a note (as gqa-mini's at 32)
+        (dict(quant="block", group_size=3, bits=16), None),  # nothing is quantized
+    ],
+)
+def test_a_group_size_that_leaves_the_weights_fp16_is_refused(tiny_e2b, options, refused):
+    spec = ModelSpec.from_pretrained(tiny_e2b)
+    divisor = 64 if options["quant"] == "block" else 16  # e2b-mini: inputs 64, 128, 256; rows 32 ... 512 and 240
+    if refused is None:
+        ConvertOptions(**options).check_group_size(spec)
+        return
+    with pytest.raises(ConvertError, match=rf"^--group-size {options['group_size']}: {refused}.*divisor of {divisor}$"):
+        ConvertOptions(**options).check_group_size(spec)
+
+
+def test_convert_refuses_the_group_size_before_converting(tiny_e2b, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, text, err = run(capsys, "convert", tiny_e2b, out, "--quant", "block", "--group-size", 3, "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and "--group-size 3: does not divide 64" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
 
 
 def test_the_cli_refuses_before_reading_the_checkpoint(capsys, tmp_path):
@@ -135,13 +187,44 @@ def test_the_lut_pass_is_the_default_and_inspect_and_the_audit_name_each_form(tm
     want = x.astype(np.float32) @ w["a_weight"].astype(np.float32).T @ w["b_weight"].astype(np.float32).T
     got = MILModel(tmp_path / "block" / "chunk_1.mlpackage", precision="fp32").predict({"x": x})
     np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)
-    notes = [f for c in audit_bundle(tmp_path / "block")["chunks"] for f in c["findings"] if f["rule"] == "block"]
-    assert [(n["verdict"], n["count"]) for n in notes] == [("note", 2)]
-    assert "int8 weights, one scale per 32 inputs (per-block: documented gains on the GPU)" in notes[0]["detail"]
-    text = format_audit(audit_bundle(tmp_path / "block"))
-    assert "opt-quantization-perf" not in text  # a note does not print its rule; the JSON report carries it
-    assert "opt-quantization-perf" in audit_bundle(tmp_path / "block")["rules"]["block"]
+    report = audit_bundle(tmp_path / "block")
+    found = [f for c in report["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    # per-block weights leave the Neural Engine (coremltools#2510) and were reported wrong there (coreai-models#279)
+    assert [(n["verdict"], n["count"]) for n in found] == [("violation", 2)] and report["verdict"] == "fail"
+    assert "int8 weights, one scale per 32 inputs: per-block, runs on the CPU" in found[0]["detail"]
+    text = format_audit(report)
+    assert "rule block: Core ML runs per-block linear weights" in text  # a violation prints its rule, and why
+    assert "coremltools issue 2510" in text and "coreai-models issue 279" in text
     assert not [f for c in audit_bundle(tmp_path / "lut")["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    assert audit_bundle(tmp_path / "lut")["verdict"] == "pass"
+
+
+def test_per_channel_block_weights_stay_a_note(tmp_path):
+    """One scale per row (--group-size = the input width) is the per-channel form the Neural Engine executes."""
+    prog = linear_program({"a_weight": grid_weight(64, 128, 2)})
+    _palettize_pass(ConvertOptions(quant="block", bits=8, group_size=128), {}, set())(prog)
+    ct.convert(prog, minimum_deployment_target=iOS18, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True).save(
+        str(tmp_path / "b" / "chunk_1.mlpackage")
+    )
+    report = audit_bundle(tmp_path / "b")
+    [found] = [f for c in report["chunks"] for f in c["findings"] if f["rule"] == "block"]
+    assert found["verdict"] == "note" and "per-channel" in found["detail"] and report["verdict"] == "pass"
+
+
+def test_convert_warns_that_block_weights_leave_the_neural_engine(tiny_e2b, tmp_path):
+    """Said once the options are checked, before the conversion (here refused right after it: OUT lies inside the
+    checkpoint), so a user who picked block for its exact QAT result can still choose."""
+    from gemma_ane.convert import convert
+
+    with pytest.warns(UserWarning, match=r"^--quant block: Core ML runs per-block linear weights .* on the CPU") as w:
+        with pytest.raises(ConvertError, match="must not be, hold or lie inside the checkpoint"):
+            convert(str(tiny_e2b), str(tiny_e2b / "out"), ConvertOptions(quant="block"), progress=False)
+    assert "coremltools issue 2510" in str(w[0].message) and "coreai-models issue 279" in str(w[0].message)
+    for options in (ConvertOptions(), ConvertOptions(quant="block", bits=16)):  # LUT; nothing quantized
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ConvertError, match="must not be, hold or lie inside the checkpoint"):
+                convert(str(tiny_e2b), str(tiny_e2b / "out"), options, progress=False)
 
 
 def test_the_grids_are_exact_where_the_bundle_reads_them():

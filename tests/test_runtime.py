@@ -364,6 +364,30 @@ def test_discarded_tail_past_the_window_starts_over(model):
     _same(restarted, model.generate(b, max_tokens=20, **GREEDY))
 
 
+SEEDED = dict(raw=True, temperature=5.0, top_k=0, top_p=1.0, seed=1008, max_tokens=6, logprobs=2)
+
+
+def test_a_seeded_answer_does_not_depend_on_what_ran_before(model):
+    """Issue 43's case: a seeded prompt after a shorter one it extends. Reused as before, its tail ran one token at a
+    time where a fresh run batches it: other fp16 roundings, other logits, another draw at temperature 5. Only the
+    prefix a fresh run's own steps computed is reused, so the steps, and the answer, are a fresh run's."""
+    model.reset()
+    fresh = model.generate("Once upon a time", **SEEDED)
+    fresh_steps = list(model.engine.history)
+    assert any(T > 1 for _, _, T in fresh_steps), "precondition: a fresh run batches the prompt"
+    for before in ("Once upon", "Once upon a", "Once upon a time there"):
+        model.reset()
+        model.generate(before, max_tokens=2, **GREEDY)
+        after = model.generate("Once upon a time", **SEEDED)
+        assert model.engine.history == fresh_steps, before
+        _same(after, fresh)
+    again = model.generate("Once upon a time", **SEEDED)  # the same request reuses its own batches
+    assert 0 < again.reused_tokens < again.prompt_tokens and model.engine.history == fresh_steps
+    _same(again, fresh)
+    unseeded = model.generate("Once upon a time", **{**SEEDED, "seed": None})  # reuses whatever the caches hold
+    assert unseeded.reused_tokens == unseeded.prompt_tokens - 1
+
+
 def test_follow_up_turn_reuses_the_conversation_and_matches_a_freshly_loaded_model(model, bundle):
     turn1 = [{"role": "user", "content": "Hi"}]
     kw = dict(temperature=0, repetition_penalty=2.0, logprobs=3)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..files import FileFormatError, read_json_object, sha256_file, tree_size
 from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
+from ..mil.program import ProgramError
 from .errors import BundleError
 from .interfaces import one_function_interfaces, read_interfaces
 from .layout import (
@@ -165,9 +166,16 @@ def _inspect_package(path: Path) -> dict:
             "outputs": io["outputs"],
             "tokens_per_call": T,
             "weight_bytes": weight_bytes(fn),
-            "macs_per_token": macs(fn) // T,
+            "macs_per_token": _macs(pkg, fname, fn) // T,
         }
     return entry
+
+
+def _macs(pkg: Package, fname: str, fn) -> int:
+    try:
+        return macs(fn)
+    except ProgramError as e:  # a shape the count cannot multiply: the package's fault, named with it
+        raise PackageError(f"{pkg.path}: model.mlmodel, function {fname!r}, {e}") from None
 
 
 def _inspect_compiled(path: Path, function: str | None = None) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 from .. import __version__
@@ -22,6 +23,7 @@ from ..bundle.check import write_manifest
 from ..bundle.plan import ChunkPlan, default_kv_batches
 from ..bundle.spec import ConfigError
 from ..files import FileFormatError, building, is_within
+from ..runtime.audit import BLOCK_WHY
 from . import coreml
 from .assistant import AssistantComponent
 from .audio import AudioComponent
@@ -76,6 +78,14 @@ def _convert(src: str, out: str, options: ConvertOptions, progress: bool, timer:
         raise ConvertError(f"{out}: exists and is not a directory; refusing to replace it")
     with timer("load"):
         root, ckpt, plan = open_source(src, options)
+    if options.quant == "block" and options.bits != 16:
+        # said before the long work, when the user can still choose: the QAT result is exact, but not on the ANE
+        warnings.warn(
+            f"--quant block: {BLOCK_WHY} For the Neural Engine convert with --quant lut (the default); "
+            "`gemma-ane inspect OUT --ane` fails these weights",
+            UserWarning,
+            stacklevel=3,
+        )
     compile_ = options.compile if options.compile is not None else platform.system() == "Darwin"
     try:
         if is_within(out, root) or is_within(root, out):  # replacing OUT would delete or litter the checkpoint
@@ -165,6 +175,7 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     root = resolve_source(src)
     ckpt = Checkpoint(root)
     ckpt.validate()
+    options.check_group_size(ckpt.spec)
     kv = options.kv_prefill_batches
     if kv is None:
         kv = default_kv_batches(ckpt.spec)

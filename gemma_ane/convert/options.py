@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from re import _constants as sre_constants  # the parser's tree, to judge a --keep pattern before it runs
+from re import _parser as sre_parser
 
 from ..bundle.plan import BITS, MAX_DRAFT_TOKENS, PROFILES, check_function_names
 from ..bundle.spec import ConfigError
@@ -81,10 +84,7 @@ class ConvertOptions:
         if self.quant == "block" and self.bits not in BLOCK_BITS:
             raise ConvertError(f"--bits {self.bits}: --quant block stores int4 or int8; choose 4, 8 or 16")
         for pattern in self.keep:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ConvertError(f"--keep {pattern!r}: not a regular expression ({e})") from None
+            check_keep(pattern)
         if self.layout not in ("ours", "published"):
             raise ConvertError(f"--layout {self.layout!r}: choose ours or published")
         self._check_functions()
@@ -129,6 +129,25 @@ class ConvertOptions:
             what = "--functions" if self.functions is not None else f"--profile {self.profile}"
             raise ConvertError(f"{what}: the published layout's functions are fixed (infer, prefill_b8); use ours")
 
+    def check_group_size(self, spec) -> None:
+        """Refuse a --group-size the decoder's compressed linear weights cannot be grouped by, where the bundle would
+        not be what was asked: --quant block any weight whose inputs it does not divide (it would stay fp16: the
+        block format is chosen for its exact result), --quant lut when it divides no weight's output rows (a "4-bit"
+        bundle that is all 16-bit; a few odd ones stay fp16 with a note, as a tiny preset's do). Weights under 2048
+        values are never compressed, and are not asked."""
+        if self.bits == 16:
+            return
+        block = self.quant == "block"
+        widths = sorted({shape[1 if block else 0] for shape in linear_shapes(spec) if shape[0] * shape[1] >= 2048})
+        wrong = [w for w in widths if w % self.group_size]
+        if wrong and (block or len(wrong) == len(widths)):
+            grouped = "inputs" if block else "output rows"
+            raise ConvertError(
+                f"--group-size {self.group_size}: does not divide {wrong[0]}, the {grouped} of some of the model's "
+                f"linear weights (--quant {self.quant} groups their {grouped}), which would stay fp16; choose a "
+                f"divisor of {math.gcd(*widths)}"
+            )
+
     def kept(self, name: str) -> bool:
         """Whether the weight so named stays fp16: a --keep pattern found in its name as traced (the checkpoint's
         spelling, "layers.0.self_attn.o_proj.weight_to_fp16") or as saved and shown by inspect
@@ -155,6 +174,89 @@ class ConvertOptions:
     def audio_options(self) -> ConvertOptions:
         """These options with the audio model's bits."""
         return dataclasses.replace(self, bits=self.audio_bits)
+
+
+def linear_shapes(spec) -> set[tuple[int, int]]:
+    """(out, in) of every linear weight of a Gemma 4 decoder (ModelSpec): attention, MLP and per-layer input
+    projections per layer, the per-layer embeddings' projection and the tied LM head."""
+    H, P = spec.hidden_size, spec.per_layer_dim
+    shapes = {(spec.num_layers * P, H), (spec.vocab_size, H)}
+    for hd, kv, inter in zip(spec.head_dims, spec.kv_heads, spec.intermediate_sizes):
+        q = spec.num_heads * hd
+        shapes |= {(q, H), (kv * hd, H), (H, q), (inter, H), (H, inter), (P, H), (H, P)}
+    return shapes
+
+
+# --keep patterns run against every weight's name: bounded before Python's backtracking engine compiles them (its
+# parser recurses once per nested group: 5,000 of them was a RecursionError) and refused where they could backtrack
+# exponentially ('(\w|\w)*!' on a 60-character name runs for hours): a repeat holding another repeat or an alternation.
+MAX_KEEP_LENGTH, MAX_KEEP_NESTING = 500, 16
+_REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT}
+
+
+def check_keep(pattern: str) -> None:
+    """A --keep pattern the converter can search every weight name with, in time linear-ish in the name."""
+    if len(pattern) > MAX_KEEP_LENGTH:
+        raise ConvertError(f"--keep {pattern[:40]!r}...: {len(pattern)} characters (at most {MAX_KEEP_LENGTH})")
+    depth = _nesting(pattern)
+    if depth > MAX_KEEP_NESTING:
+        raise ConvertError(f"--keep {pattern[:40]!r}: groups nested {depth} deep (at most {MAX_KEEP_NESTING})")
+    try:
+        tree = sre_parser.parse(pattern)
+        re.compile(pattern)
+    except re.error as e:
+        raise ConvertError(f"--keep {pattern!r}: not a regular expression ({e})") from None
+    if _backtracks(tree, False):
+        raise ConvertError(
+            f"--keep {pattern!r}: a repeated group holds another repeat or an alternation, which can backtrack "
+            "exponentially on a name it does not match; write it without nesting (e.g. a character class)"
+        )
+
+
+def _nesting(pattern: str) -> int:
+    """How deep the pattern's parentheses nest (escapes and character classes skipped): counted without recursion."""
+    depth = deepest = 0
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += pattern[i + 1 : i + 2] == "]"  # a ']' first in a class is a literal
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
+def _backtracks(items, repeated: bool) -> bool:
+    """Whether a parsed pattern has a repeat (of more than one) or an alternation inside such a repeat."""
+    for op, av in items:
+        if op in _REPEATS:
+            low, high, body = av
+            if repeated or _backtracks(body, high > 1):
+                return True
+        elif op is sre_constants.BRANCH:
+            if repeated or any(_backtracks(b, False) for b in av[1]):
+                return True
+        elif op in (
+            sre_constants.SUBPATTERN,
+            sre_constants.ATOMIC_GROUP,
+            sre_constants.ASSERT,
+            sre_constants.ASSERT_NOT,
+        ):
+            if _backtracks(av[-1] if op is not sre_constants.ATOMIC_GROUP else av, repeated):
+                return True
+        elif op is sre_constants.GROUPREF_EXISTS:
+            if any(_backtracks(b, repeated) for b in av[1:] if b is not None):
+                return True
+    return False
 
 
 def saved_name(name: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import GemmaAneError
 from .ops import OPS, ExecutionError, f32, var_dtype
 from .package import Package
 
@@ -283,8 +284,8 @@ class MILModel:
         for op in ops:
             if op.op_type not in OPS and op.op_type not in ("const", "read_state", "coreml_update_state", "linear"):
                 raise ExecutionError(
-                    f"function {self.function_name!r}: op type {op.op_type!r} is not implemented "
-                    f"by the MIL executor (op {op.name})"
+                    f"{self.path}: model.mlmodel, function {self.function_name!r}, op {op.name!r}: op type "
+                    f"{op.op_type!r} is not implemented by the MIL executor"
                 )
         slots, aliases = _slots(fn, ops), _Aliases(fn, ops)
         consts, consumed = self._constants(ops, slots)
@@ -315,25 +316,41 @@ class MILModel:
         built: compressed weights and LUTs, and the weights that linear ops widen to fp32."""
         consts, consumed = [None] * len(slots), []
         for op in filter(_folded, ops):
-            var = op.outputs[0]
-            s = slots[var.name]
-            if op.op_type == "const":
-                arr = np.asarray(var.val)
-                consts[s] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
-                if (
-                    _linear_weight_only(var)
-                    or var.child_ops
-                    and all(c.op_type.startswith("constexpr_") for c in var.child_ops)
-                ):
-                    consumed.append(s)
-            elif not (_linear_weight_only(var) and _weight_key(var) in self._weights):
-                # a weight another function of the package already widened is not decompressed again
-                args = {n: _value(v) if _static(v) else consts[slots[v.name]] for n, v in op.inputs.items()}
-                dense = OPS[op.op_type](**args)
-                consts[s] = np.asarray(dense).astype(self._float(var_dtype(var)))
-                if _linear_weight_only(var):
-                    consumed.append(s)
+            try:
+                self._constant(op, slots, consts, consumed)
+            except Exception as e:  # numpy's errors on a constant that does not fit its op: the package's fault
+                raise self._failed(op.name, op.op_type, e) from None
         return consts, consumed
+
+    def _constant(self, op, slots: dict, consts: list, consumed: list) -> None:
+        """One folded op's value into `consts`, its slot in `consumed` if load uses it up."""
+        var = op.outputs[0]
+        s = slots[var.name]
+        if op.op_type == "const":
+            arr = np.asarray(var.val)
+            consts[s] = arr.astype(self._float(arr.dtype)) if arr.dtype.kind == "f" else arr
+            if (
+                _linear_weight_only(var)
+                or var.child_ops
+                and all(c.op_type.startswith("constexpr_") for c in var.child_ops)
+            ):
+                consumed.append(s)
+        elif not (_linear_weight_only(var) and _weight_key(var) in self._weights):
+            # a weight another function of the package already widened is not decompressed again
+            args = {n: _value(v) if _static(v) else consts[slots[v.name]] for n, v in op.inputs.items()}
+            dense = OPS[op.op_type](**args)
+            consts[s] = np.asarray(dense).astype(self._float(var_dtype(var)))
+            if _linear_weight_only(var):
+                consumed.append(s)
+
+    def _failed(self, name: str, op_type: str, e: Exception) -> ExecutionError:
+        """An op that fails on what the program gave it (a reshape to a shape that does not fit, numpy's error), in
+        one line naming the package, function and op: the bundle's fault, never the caller's."""
+        why = (str(e).splitlines() or [""])[0]
+        kind = "" if isinstance(e, GemmaAneError) else type(e).__name__ + (": " if why else "")
+        return ExecutionError(
+            f"{self.path}: model.mlmodel, function {self.function_name!r}, op {name!r} ({op_type}): {kind}{why}"
+        )
 
     def _step(self, i: int, op, slots: dict, consts: list, aliases: _Aliases):
         kind = op.op_type
@@ -410,10 +427,13 @@ class MILModel:
             a = np.asarray(inputs[name])
             env[s] = a.astype(self._float(a.dtype), copy=False)
         for i, step in enumerate(self._steps):
-            if getattr(step, "needs_state", False):
-                step(env, state)
-            else:
-                step(env)
+            try:
+                if getattr(step, "needs_state", False):
+                    step(env, state)
+                else:
+                    step(env)
+            except Exception as e:  # the inputs were checked above: what fails here is the program's
+                raise self._failed(*self._written[i][0], e) from None
             if self.strict:
                 self._check_finite(i, env)
         return {

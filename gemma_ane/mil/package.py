@@ -7,6 +7,7 @@ Core ML will load, not what we meant to write. Executing a program is `executor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,10 @@ class PackageError(BundleError):
 
 
 _DTYPES = {"FLOAT16": "float16", "FLOAT32": "float32", "INT32": "int32", "DOUBLE": "float64"}
+# The most a package's states may declare together: they are allocated whole at load (zeros), so the declared
+# size is refused before any allocation. Ours: six times the largest Gemma 4 chunk's caches at its full 131072-token
+# context (E4B's five full-attention owners in one chunk, ~2.7 GB).
+MAX_STATE_BYTES = 2**34
 
 
 def tensor_type(feature_type) -> dict:
@@ -30,8 +35,21 @@ def tensor_type(feature_type) -> dict:
     FeatureTypes_pb2 = pb2("FeatureTypes_pb2")
     t = feature_type
     arr = t.stateType.arrayType if t.WhichOneof("Type") == "stateType" else t.multiArrayType
-    dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType)
-    return {"shape": [int(d) for d in arr.shape], "dtype": _DTYPES.get(dtype, dtype.lower())}
+    names = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.DESCRIPTOR.values_by_number
+    if arr.dataType not in names:
+        raise ProgramError(f"data type number {arr.dataType} (no Core ML array type)")
+    shape = [int(d) for d in arr.shape]
+    if any(d < 0 for d in shape):
+        raise ProgramError(f"negative dimension in shape {shape}")
+    dtype = names[arr.dataType].name
+    return {"shape": shape, "dtype": _DTYPES.get(dtype, dtype.lower())}
+
+
+def _state_bytes(states: dict) -> int:
+    """What the declared states take once allocated (an element of a type numpy has no name for counted as 8 bytes,
+    the widest, so nothing is undercounted)."""
+    size = {"float16": 2, "float32": 4, "int32": 4, "float64": 8}
+    return sum(math.prod(t["shape"]) * size.get(t["dtype"], 8) for t in states.values())
 
 
 @dataclass
@@ -81,11 +99,25 @@ class Package:
             if not matches:
                 raise PackageError(f"{self.path}: no function {function!r} (has {', '.join(self.function_names)})")
             desc = matches[0]
-        return {
-            "inputs": {f.name: tensor_type(f.type) for f in desc.input},
-            "outputs": {f.name: tensor_type(f.type) for f in desc.output},
-            "states": {f.name: tensor_type(f.type) for f in getattr(desc, "state", [])},
+        io = {
+            kind: {f.name: self._tensor_type(function, kind, f) for f in features}
+            for kind, features in (("inputs", desc.input), ("outputs", desc.output), ("states", desc.state))
         }
+        declared = _state_bytes(io["states"])
+        if declared > MAX_STATE_BYTES:
+            shapes = ", ".join(f"{n} {t['shape']} {t['dtype']}" for n, t in io["states"].items())
+            raise PackageError(
+                f"{self.path}: model.mlmodel, function {function!r}: states of {declared / 2**30:.4g} GiB ({shapes}), "
+                f"more than a package's states may take ({MAX_STATE_BYTES / 2**30:g} GiB)"
+            )
+        return io
+
+    def _tensor_type(self, function: str, kind: str, feature) -> dict:
+        try:
+            return tensor_type(feature.type)
+        except ProgramError as e:
+            where = f"function {function!r}, {kind[:-1]} {feature.name!r}"
+            raise PackageError(f"{self.path}: model.mlmodel, {where}: {e}") from None
 
     def program(self):
         """The MIL program (all functions, `program.Program`), its constants read from the weight file."""
@@ -94,7 +126,7 @@ class Package:
         except BlobError as e:  # a damaged weight file, which the spec (read at open) does not cover
             raise PackageError(f"{self.path}: weight file damaged ({e}); re-convert or run gemma-ane check") from None
         except ProgramError as e:
-            raise PackageError(f"{self.path}: unreadable program ({e})") from None
+            raise PackageError(f"{self.path}: unreadable program in model.mlmodel ({e})") from None
 
     def size_bytes(self) -> int:
         return tree_size(self.path)
@@ -122,6 +154,11 @@ def macs(function) -> int:
     """Multiply-accumulates of one call: linear and matmul ops (everything else is O(activations))."""
     total = 0
     for op in function.operations:
+        if op.op_type in ("linear", "matmul"):
+            unknown = [p for p in ("x", "weight", "y") if p in op.inputs and None in op.inputs[p].shape]
+            if unknown:
+                p = unknown[0]
+                raise ProgramError(f"op {op.name!r} ({op.op_type}): {p} of unknown dimension {op.inputs[p].shape}")
         if op.op_type == "linear":
             x, w = op.x.shape, op.weight.shape
             total += int(np.prod(x[:-1])) * w[0] * w[1]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import sys
 import threading
 import types
@@ -209,7 +210,10 @@ def _mil_type(value_type) -> tuple[str, tuple, bool]:
         raise ProgramError(f"a {kind} value (only tensors and states are read)")
     t = value_type.tensorType
     if t.dataType not in _MIL_TYPES:
-        raise ProgramError(f"data type {pb2('MIL_pb2').DataType.Name(t.dataType)} (not read)")
+        # a number no enum names is the file's error (protobuf's Name() would raise a bare ValueError)
+        names = pb2("MIL_pb2").DataType.DESCRIPTOR.values_by_number
+        name = names[t.dataType].name if t.dataType in names else f"number {t.dataType}"
+        raise ProgramError(f"data type {name} (not read)")
     shape = tuple(d.constant.size if d.HasField("constant") else None for d in t.dimensions)
     return _MIL_TYPES[t.dataType], shape, state
 
@@ -288,7 +292,7 @@ class _Blobs:
         if offset + size > data.size:
             raise BlobError(f"{size} bytes at {offset} run past the end of the file ({data.size} bytes) {where}")
         raw = data[offset : offset + size]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # exact: numpy's int64 product wraps for a hostile shape
         if dtype in _SUB_BYTE:
             bits = BITS[dtype]
             if pad >= 8 or (size * 8 - pad) % bits:
@@ -311,25 +315,32 @@ def _immediate(value, dtype: str, shape: tuple):
         raise ProgramError(f"an immediate {imm.WhichOneof('value')} value (only tensors are read)")
     tensor = imm.tensor
     kind = tensor.WhichOneof("value")
+    count = math.prod(shape)
     if dtype in _BYTES_TYPES:
         if kind != "bytes":
             raise ProgramError(f"a {dtype} value stored as {kind}")
         raw = np.frombuffer(tensor.bytes.values, np.uint8)
-        count = int(np.prod(shape, dtype=np.int64))
         if dtype in _SUB_BYTE:
             return unpack_bits(raw, BITS[dtype], count, dtype.startswith("int")).reshape(shape)
+        if raw.size != count * NP_DTYPES[dtype].itemsize:
+            raise ProgramError(f"an immediate {dtype} value of {raw.size} bytes where its type {shape} holds {count}")
         return raw.view(NP_DTYPES[dtype]).reshape(shape).copy()
-    if dtype == "string" and shape == ():
-        return str(tensor.strings.values[0])
     if dtype not in ("fp32", "string", "bool", "int16", "uint16", "int32", "int64"):
         raise ProgramError(f"an immediate {dtype} value (coremltools cannot read one either)")
-    return np.array(getattr(tensor, kind).values).astype(NP_DTYPES[dtype]).reshape(shape)
+    values = getattr(tensor, kind).values if kind else ()
+    if len(values) != count:
+        raise ProgramError(f"an immediate {dtype} value of {len(values)} values where its type {shape} holds {count}")
+    if dtype == "string" and shape == ():
+        return str(values[0])
+    return np.array(values).astype(NP_DTYPES[dtype]).reshape(shape)
 
 
 def _const(value, blobs: _Blobs) -> tuple[object, str, tuple]:
     """(value, dtype, shape) of a const's `val`, as coremltools' const op holds it: rank 0 a numpy scalar, int64 made
     int32 (its const op keeps no int64)."""
     dtype, shape, _ = _mil_type(value.type)
+    if None in shape:
+        raise ProgramError(f"a constant of unknown dimension {shape}")
     if value.WhichOneof("value") == "blobFileValue":
         val = blobs.read(value.blobFileValue, dtype, shape)
     else:
@@ -346,6 +357,30 @@ def _const(value, blobs: _Blobs) -> tuple[object, str, tuple]:
 
 
 # -- reading ------------------------------------------------------------------------------------------------------
+
+# the outputs an op the reader builds itself reads: const's value, a state op's result
+_OUTPUTS = {"const": 1, "read_state": 1}
+
+
+def _op_name(spec) -> str:
+    """An op's name: its "name" attribute, one string."""
+    if "name" not in spec.attributes:
+        raise ProgramError("no name")
+    value = spec.attributes["name"]
+    tensor = value.immediateValue.tensor
+    held = value.WhichOneof("value") == "immediateValue" and tensor.WhichOneof("value") == "strings"
+    if not held or not tensor.strings.values:
+        raise ProgramError("its name attribute holds no string")
+    return tensor.strings.values[0]
+
+
+def _label(spec, index: int) -> str:
+    """How an error names an op: its name where it has one, else its place in the block; and its type."""
+    try:
+        name = repr(_op_name(spec))
+    except ProgramError:
+        name = f"#{index}"
+    return f"{name} ({spec.type!r})" if spec.type else f"{name} (no type)"
 
 
 class _Reader:
@@ -375,7 +410,7 @@ class _Reader:
         for b in argument.arguments:
             if b.WhichOneof("binding") == "name":
                 if b.name not in self.vars:
-                    raise ProgramError(f"op {name}: {param} reads {b.name!r}, which no earlier op or input defines")
+                    raise ProgramError(f"{param} reads {b.name!r}, which no earlier op or input defines")
                 out.append(self.vars[b.name])
             elif len(argument.arguments) == 1:
                 # an immediate or blob value: the loader makes it a const op of its own, just before this op
@@ -385,22 +420,29 @@ class _Reader:
                 self._add(Op("const", var.name, {}, [var]), ops)
                 out.append(var)
             else:
-                raise ProgramError(f"op {name}: {param} binds a tuple of values (not read)")
+                raise ProgramError(f"{param} binds a tuple of values (not read)")
         return out if len(out) != 1 or param in _TUPLE_INPUTS.get(op_type, ()) else out[0]
 
     def _op(self, spec, ops: list) -> None:
-        attrs = spec.attributes
-        name = attrs["name"].immediateValue.tensor.strings.values[0] if "name" in attrs else None
         if spec.type == "write_state":
             # the loader makes it coreml_update_state(state, value), named by its builder, whose output is the value
             # written; a read_state of the same state right after it is merged into it (below)
             name = self._fresh("coreml_update_state")
-        elif name is None:
-            raise ProgramError(f"an op of type {spec.type} has no name")
+        else:
+            name = _op_name(spec)
+        wanted = _OUTPUTS.get(spec.type, 0)
+        if len(spec.outputs) < wanted:
+            raise ProgramError(f"{len(spec.outputs)} outputs (a {spec.type} op has {wanted})")
         inputs = {p: self._bind(spec.type, name, p, a, ops) for p, a in spec.inputs.items()}
         if spec.type == "const":
-            val, dtype, shape = _const(attrs["val"], self.blobs)
+            if "val" not in spec.attributes:
+                raise ProgramError("no val attribute")
+            val, dtype, shape = _const(spec.attributes["val"], self.blobs)
             self._add(Op("const", name, inputs, [Var(spec.outputs[0].name, dtype, shape, val=val)]), ops)
+        elif spec.type in ("write_state", "read_state") and not isinstance(inputs.get("input"), Var):
+            raise ProgramError("no state as its input")
+        elif spec.type == "write_state" and not isinstance(inputs.get("data"), Var):
+            raise ProgramError("no value as its data")
         elif spec.type == "write_state":
             value = inputs["data"]
             out = Var(self._unique(name), value.dtype, value.shape)
@@ -429,16 +471,24 @@ class _Reader:
     def function(self, spec) -> Function:
         inputs = {}
         for nv in spec.inputs:
-            dtype, shape, state = _mil_type(nv.type)
+            try:
+                dtype, shape, state = _mil_type(nv.type)
+            except ProgramError as e:
+                raise ProgramError(f"input {nv.name!r}: {e}") from None
             inputs[nv.name] = self.vars[nv.name] = Var(nv.name, dtype, shape, state=state)
         if spec.opset not in spec.block_specializations:
             raise ProgramError(f"no block for its opset {spec.opset!r}")
         block, ops = spec.block_specializations[spec.opset], []
         self.taken = set(inputs) | {o.name for op in block.operations for o in op.outputs}
-        for op_spec in block.operations:
-            if op_spec.blocks:
-                raise ProgramError(f"op {op_spec.type} has nested blocks (control flow is not read)")
-            self._op(op_spec, ops)
+        for i, op_spec in enumerate(block.operations):
+            try:
+                if op_spec.blocks:
+                    raise ProgramError("nested blocks (control flow is not read)")
+                self._op(op_spec, ops)
+            except ProgramError as e:
+                if isinstance(e, BlobError):  # names its file and byte; the op is the caller's to name
+                    raise
+                raise ProgramError(f"op {_label(op_spec, i)}: {e}") from None
         missing = [n for n in block.outputs if n not in self.vars]
         if missing:
             raise ProgramError(f"outputs {missing} are defined by no op")

@@ -4,18 +4,23 @@ Engine's published rules, since we cannot run the Neural Engine itself.
 It reads the saved artifact alone (as `package.py` does), so what it judges is what Core ML will
 load. Each rule is a small check yielding (verdict, op type, op name, detail); equal hits become
 one finding with a count and an example. A "violation" fails its function, chunk and bundle; a
-"note" does not. A compiled .mlmodelc cannot be read back: it is "not audited", never "pass".
+"note" does not. A compiled .mlmodelc cannot be read back: it is "not audited", never "pass". What the audit
+cannot judge fails: an op type it does not know (nothing of it runs), a package it cannot read (a state past what
+a package may declare, a negative dimension), each named in the report.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from ..bundle import chunk_paths, host, layout
+from ..errors import BundleError
 from ..files import read_json
+from ..mil.ops import OPS
 from ..mil.package import Package
 from ..mil.program import BITS
 
@@ -30,6 +35,13 @@ SCORE_BOUND = 1024.0
 V, N = "violation", "note"
 
 _NE = "Apple's Neural Engine rules (apple/coreai-models: model-authoring/references/neural_engine_rules.md)"
+# why block-wise weights leave the Neural Engine: `convert --quant block` warns with it, the audit's rule states it
+BLOCK_WHY = (
+    "Core ML runs per-block linear weights (constexpr_blockwise_shift_scale with more than one scale per row) on "
+    "the CPU: the Neural Engine executes only per-tensor or per-channel linear quantization (coremltools issue "
+    "2510), and on Apple's newer runtime per-block weights on the Neural Engine were reported to give wrong output "
+    "(apple/coreai-models issue 279: cosine 0.367 against 0.9975 for palettized weights)."
+)
 RULES = {
     "rank": f"every tensor has rank <= 5; rank-6+ intermediates are rejected [{_NE}]",
     "static": f"every shape is static, one function per shape [{_NE}]",
@@ -52,15 +64,13 @@ RULES = {
     "lut4-state": "coremltools#2716 (open): 4-bit palettized stateful packages built with coremltools 9.0 are "
     "reported to crash after ~100-200 sequential predictions on the ANE, 8.3.0 builds of the same source not; "
     "a bug report, not a rule: a note",
-    "block": "block-wise linear weights (constexpr_blockwise_shift_scale, iOS 18 / macOS 15). Known: coremltools' "
-    "guide (Optimizing Models > Quantization > Performance, apple.github.io/coremltools/docs-guides/source/"
-    "opt-quantization-perf.html) says per-block scales, 'especially useful when employing quantization to 4-bits', "
-    "bring runtime memory and latency gains 'when it is running on the GPU', and that 'if the model is running on "
-    "the NE, it is recommended to use the per-channel scales option'. Unknown (no Apple statement found): whether "
-    "the Neural Engine reads per-block int4/int8 directly, decompresses them to fp16 at load (the file is smaller, "
-    "the memory traffic is not) or leaves those layers to the GPU/CPU; Core ML decides at load and does not say. "
-    "So per-block weights are a note, expected to fall back from the Neural Engine's fast path; per-channel ones "
-    "(one scale per row: --group-size = the input width) are the documented Neural Engine form",
+    "known": "every op is of a type the MIL executor implements (the ops the converter writes): of any other the audit "
+    "knows nothing, so it fails, whatever its name says",
+    "block": f"{BLOCK_WHY} So per-block weights are a violation: those layers leave the Neural Engine (and may "
+    "compute wrong there); per-channel ones (one scale per row) are Core ML's Neural Engine form, a note. "
+    "coremltools' guide (Optimizing Models > Quantization > Performance, apple.github.io/coremltools/docs-guides/"
+    "source/opt-quantization-perf.html) documents per-block scales' gains on the GPU and recommends per-channel "
+    "scales on the Neural Engine",
 }
 
 _NE_DTYPES = {"fp16", "int8", "int16"}  # what the Neural Engine computes in; fp32 is the fp16 rule
@@ -84,7 +94,7 @@ def _desc(var) -> str:
 
 
 def _size(var) -> int:
-    return 0 if _symbolic(var.shape) else int(np.prod(var.shape))
+    return 0 if _symbolic(var.shape) else math.prod(var.shape)  # exact: numpy's int64 product wraps
 
 
 def _is_weight(op) -> bool:
@@ -173,7 +183,18 @@ def check_finite(fn):
             yield V, "const", op.name, f"|v| = {a.max():g} (fp16's limit) in {_desc(v)} feeding {_uses(v)}"
 
 
+# the op types the reader makes itself (`mil/program.py`) or the executor runs outside its table
+_KNOWN = set(OPS) | {"const", "read_state", "coreml_update_state", "linear"}
+
+
+def check_known(fn):
+    for op in fn.operations:
+        if op.op_type not in _KNOWN:
+            yield V, op.op_type, op.name, "an op type the audit does not know"
+
+
 FUNCTION_CHECKS = {
+    "known": check_known,
     "rank": check_rank,
     "static": check_static,
     "fp16": check_fp16,
@@ -191,6 +212,9 @@ def check_states(program, states: dict, built_with):
         yield V, "state", next(iter(states)), f"{len(states)} states (at most {MAX_STATES}): {', '.join(states)}"
     for name, t in states.items():
         shape = t["shape"]
+        if not shape:  # a scalar state holds no cache, and Core ML's states are tensors
+            yield V, "state", name, "a state of no dimension"
+            continue
         if shape[-1] % 32:
             yield V, "state", name, f"last axis {shape[-1]} not a multiple of 32: {shape}"
         if len(shape) > 1 and shape[-2] > 1 and shape[-2] % 32:  # a size-1 axis is a batch, not a width
@@ -212,12 +236,11 @@ def check_block(program, states: dict, built_with):
         for op in fn.operations:
             if op.op_type == "constexpr_blockwise_shift_scale":
                 inputs, blocks = op.outputs[0].shape[-1], op.scale.shape[-1]
-                form = (
-                    "per-channel scales (documented for the NE)"
-                    if blocks == 1
-                    else f"one scale per {inputs // blocks} inputs (per-block: documented gains on the GPU)"
-                )
-                yield N, op.op_type, op.name, f"{_dtype(op.data)} weights, {form}"
+                if blocks == 1:
+                    yield N, op.op_type, op.name, f"{_dtype(op.data)} weights, per-channel scales (the NE's form)"
+                else:
+                    per = f"one scale per {inputs // blocks} inputs"
+                    yield V, op.op_type, op.name, f"{_dtype(op.data)} weights, {per}: per-block, runs on the CPU"
         return  # the functions of a chunk share their weights: one function names them all
 
 
@@ -273,8 +296,11 @@ def _audit_model(path: Path, built_with: str | None) -> dict:
     entry = {"name": layout.model_name(path), "path": path.name}
     if path.suffix == ".mlmodelc":
         entry.update(verdict="not audited", reason="compiled; audit the .mlpackage before compiling")
-    else:
+        return entry
+    try:
         entry.update(audit_package(path, built_with))
+    except BundleError as e:  # a package the audit cannot read is one it cannot judge: it fails, saying why
+        entry.update(verdict="fail", reason=f"unreadable: {e}")
     return entry
 
 

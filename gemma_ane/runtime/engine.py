@@ -382,9 +382,9 @@ class Engine:
         return ", ".join(batched + ["infer" + (" one token at a time" if not batched else "")])
 
     # -- the cache rules ---------------------------------------------------------------------------
-    def reuse(self, ids) -> int:
-        """Rewind the caches to the longest prefix of `ids` they hold exactly, and return its length
-        (0: they start over). The caller then feeds ids[kept:].
+    def reuse(self, ids, limit: int | None = None) -> int:
+        """Rewind the caches to the longest prefix of `ids` they hold exactly (at most `limit` tokens), and return
+        its length (0: they start over). The caller then feeds ids[kept:].
 
         The full caches are indexed by position: any cached prefix of `ids` is exact there, whatever
         batches computed it (fp16 batched and single-step results differ within the verified
@@ -401,7 +401,7 @@ class Engine:
             if a != b:
                 break
             common += 1
-        common = min(common, len(ids) - 1)
+        common = min(common, len(ids) - 1, len(ids) if limit is None else limit)
         if self._rings_hold(common, self.ring_top):
             kept = common
         else:
@@ -417,18 +417,43 @@ class Engine:
             self.rewind(kept)
         return kept
 
+    def fresh_steps(self, n: int, marks=()) -> list[tuple[int, str, int]]:
+        """The steps (position, function, tokens) that `prompt` runs for a prompt of n tokens from empty caches."""
+        steps, p = [], 0
+        for stop in sorted({m for m in marks if 0 < m < n} | {n}):
+            for function, T in self.plan(p, stop - p, "last" if stop == n else "none"):
+                steps.append((p, function, T))
+                p += T
+        return steps
+
+    def fresh_prefix(self, ids: list[int], marks=()) -> int:
+        """How many of the cached positions the same steps computed on the same tokens as a fresh run of the prompt
+        `ids` would: a batch and single steps round fp16 differently, so a position another path computed (a shorter
+        prompt's tail, decoded tokens, a verify call, a restored file) gives other logits after it, and a seeded
+        draw reads other tokens from them. It ends where a fresh step ends, so the steps after it are the fresh
+        run's too (plan depends only on where a step starts and how many tokens remain)."""
+        kept = 0
+        for ran, fresh in zip(self.history, self.fresh_steps(len(ids), marks)):
+            p, _, T = ran
+            if ran != fresh or self.tokens[p : p + T] != ids[p : p + T]:
+                break
+            kept = p + T
+        return kept
+
     def _rings_hold(self, kept: int, top: int) -> bool:
         """Whether rings whose newest write is `top` still hold every row a prefix of `kept` tokens needs."""
         reach = self.window + (self.verify_batch is not None)  # the drafter reads W + 1 rows
         return top < self.ring or top < kept + self.ring - reach + 1
 
-    def prompt(self, ids, marks=(), cancelled=None) -> tuple[int, np.ndarray]:
+    def prompt(self, ids, marks=(), cancelled=None, exact: bool = False) -> tuple[int, np.ndarray]:
         """Process a prompt: reuse what the caches hold, feed the rest, and snapshot the rings at
         its end and at each mark (a position inside it where a later prompt may diverge, e.g. the
         end of a system turn). Returns (tokens reused, the last token's logits). `cancelled`: asked
-        before each batch; once true, Cancelled is raised with the caches holding the batches run."""
+        before each batch; once true, Cancelled is raised with the caches holding the batches run.
+        `exact`: the logits are bit for bit a fresh run's, whatever ran before (a seeded request's): only the
+        prefix that the very steps of a fresh run computed is reused (`fresh_prefix`)."""
         ids = [int(t) for t in ids]
-        kept = self.reuse(ids)
+        kept = self.reuse(ids, self.fresh_prefix(ids, marks) if exact else None)
         stops = sorted({m for m in marks if kept < m < len(ids)} | {len(ids)})
         for stop in stops:
             logits = self.feed(

@@ -349,7 +349,8 @@ class Model:
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
-        reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled)
+        # a seeded answer must not depend on what ran before: its prompt reuses only what a fresh run computes alike
+        reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled, exact=params.seed is not None)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
         rule, history = request.rule, [t for t in ids if t >= 0]
         sampler, spec = Sampler(params, history, bans=rule.bans, grammar=rule.grammar()), _Speculation()

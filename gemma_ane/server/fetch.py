@@ -47,24 +47,65 @@ def failure(url: str) -> str:
     return f"could not fetch {url[:80]!r} (only http(s) images on public addresses are fetched)"
 
 
+# What no allowlist entry may open up. This machine: loopback, and the unspecified address (a connection to 0.0.0.0
+# reaches it); a network of them is refused, one loopback address named alone is allowed (a local image server).
+# Link-local (169.254.169.254 is the cloud's metadata service) never, not even one address. IPv4-mapped IPv6 forms too.
+_THIS_MACHINE = [ipaddress.ip_network(n) for n in ("127.0.0.0/8", "::1/128", "::ffff:127.0.0.0/104")]
+_UNSPECIFIED = [ipaddress.ip_network(n) for n in ("0.0.0.0/32", "::/128", "::ffff:0.0.0.0/128")]
+_LINK_LOCAL = [ipaddress.ip_network(n) for n in ("169.254.0.0/16", "fe80::/10", "::ffff:169.254.0.0/112")]
+
+
+def _network(entry: str):
+    """The network an entry names, or None for a host name; refuses what would open the fence wide."""
+    try:
+        network = ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return None
+    try:
+        ipaddress.ip_network(entry)  # strict: 10.0.0.1/8 is a typo for an address or for the network holding it
+    except ValueError:
+        raise InputError(f"allow_fetch_from: {entry!r}: host bits set (the network is {network})") from None
+
+    def overlaps(ranges) -> bool:
+        return any(network.version == r.version and network.overlaps(r) for r in ranges)
+
+    if network.prefixlen == 0:
+        raise InputError(f"allow_fetch_from: {entry!r}: covers every address (the fence would be off)")
+    if overlaps(_UNSPECIFIED) or (network.num_addresses > 1 and overlaps(_THIS_MACHINE)):
+        raise InputError(
+            f"allow_fetch_from: {entry!r}: covers this machine's addresses (name the one loopback "
+            "address an image server listens on, e.g. 127.0.0.1)"
+        )
+    if overlaps(_LINK_LOCAL):
+        raise InputError(
+            f"allow_fetch_from: {entry!r}: covers link-local addresses (169.254.169.254 is the cloud's "
+            "metadata service)"
+        )
+    return network
+
+
 class Allowlist:
     """Hosts and networks a fetch may reach though their addresses are not public (serve --allow-fetch-from):
-    each entry is an address or CIDR network (10.0.0.0/8, ::1), or a host name, matched exactly."""
+    each entry is an address or CIDR network (10.0.0.0/8, ::1), or a host name, matched exactly. A network that
+    covers every address, a link-local one or this machine's, or one written with host bits set (10.0.0.1/8) is
+    refused, as is a name no DNS can hold (all digits in its last label, such as 300.1.1.1)."""
 
     def __init__(self, entries=()):
         self.networks, self.hosts = [], set()
         for entry in entries:
             if not isinstance(entry, str) or not entry.strip():
                 raise InputError(f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name")
-            try:
-                self.networks.append(ipaddress.ip_network(entry.strip(), strict=False))
-            except ValueError:
-                host = entry.strip().lower().rstrip(".")
-                if not all(part and part.replace("-", "").isalnum() for part in host.split(".")):
-                    raise InputError(
-                        f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name"
-                    ) from None
-                self.hosts.add(host)
+            network = _network(entry.strip())
+            if network is not None:
+                self.networks.append(network)
+                continue
+            host = entry.strip().lower().rstrip(".")
+            labels = host.split(".")
+            if not all(part and part.replace("-", "").isalnum() for part in labels) or labels[-1].isdigit():
+                raise InputError(
+                    f"allow_fetch_from: {entry!r}: expected an address, a CIDR network or a host name"
+                ) from None
+            self.hosts.add(host)
 
     def allows(self, host: str, address) -> bool:
         return host.lower().rstrip(".") in self.hosts or any(address in n for n in self.networks)
