@@ -32,11 +32,14 @@ public final class StandInDevice: @unchecked Sendable {
     private var chunks: [String: Chunk] = [:]
     private var refused: Set<String> = []
     private var compiled = 0
-    private var connector: (@Sendable (URL) throws -> any ChunkRunner)?
+    private var clients: [String: PipeClient] = [:]
+    private var interpreter = ProcessInfo.processInfo.environment["GEMMA_ANE_PYTHON"] ?? "python3"
 
-    /// How a package is run: `connect(package)` returns the runner of that package's chunk.
-    public func connect(_ connector: @escaping @Sendable (URL) throws -> any ChunkRunner) {
-        lock.withLock { self.connector = connector }
+    /// The Python interpreter that runs `gemma_ane.mil.serve` (GEMMA_ANE_PYTHON, else python3 on PATH), for
+    /// the packages this stand-in has not opened yet.
+    public var python: String {
+        get { lock.withLock { interpreter } }
+        set { lock.withLock { interpreter = newValue } }
     }
 
     /// How many packages `compileModel(at:)` has compiled in this process.
@@ -79,13 +82,19 @@ public final class StandInDevice: @unchecked Sendable {
         return try chunk(source: URL(fileURLWithPath: source))
     }
 
+    /// A package's chunk, run through the pipe server of its bundle (the package's directory: one server a
+    /// bundle, started on first use).
     private func chunk(source: URL) throws -> Chunk {
         try lock.withLock {
             if let chunk = chunks[source.path] { return chunk }
-            guard let connector else {
-                throw StandInError("the Core ML stand-in has no executor: call StandInDevice.shared.connect first")
+            let bundle = source.deletingLastPathComponent()
+            let client = try clients[bundle.path] ?? PipeClient(bundle: bundle, python: interpreter)
+            clients[bundle.path] = client
+            let name = String(source.lastPathComponent.split(separator: ".").first ?? "")
+            guard let described = client.chunks.first(where: { $0.name == name }) else {
+                throw StandInError("\(source.path): the executor holds no chunk \(name)")
             }
-            let chunk = Chunk(source: source, runner: try connector(source))
+            let chunk = Chunk(source: source, runner: PipeRunner(client: client, chunk: described))
             chunks[source.path] = chunk
             return chunk
         }
