@@ -36,7 +36,11 @@ let package = Package(
         ),
         .testTarget(
             name: "GemmaANETests",
-            dependencies: ["GemmaANE", "GemmaANECoreML"],
+            dependencies: [
+                "GemmaANE", "GemmaANECoreML",
+                // the CoreML* tests steer the stand-in (refusals, the interpreter) where it runs
+                .target(name: "CoreMLStandIn", condition: .when(platforms: [.linux])),
+            ],
             path: "swift/Tests/GemmaANETests"
         ),
     ]
