@@ -80,9 +80,11 @@ public struct ModelConfig: Sendable, Equatable {
                 if required { throw GemmaANEError(.bundle, "\(file): \(name): missing") }
                 continue
             }
-            if !ok(value) { throw fail(name, what) }
-            if name.hasSuffix("_token_id"), let vocab = config["vocab_size"]?.int, let id = value.int, id >= vocab {
-                throw fail(name, "\(what) below vocab_size \(vocab)")
+            // a token id is also checked against the vocabulary, and its message says so whichever rule failed
+            let vocab = config["vocab_size"]?.int ?? 0
+            let isToken = name.hasSuffix("_token_id")
+            if !ok(value) || isToken && (value.int ?? 0) >= vocab {
+                throw fail(name, isToken ? "\(what) below vocab_size \(vocab)" : what)
             }
         }
         // the rules the Python schema checks once the fields above are sound (TEXT_RELATIONS)
