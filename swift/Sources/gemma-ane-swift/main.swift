@@ -1,2 +1,161 @@
+import Foundation
 import GemmaANE
-print("gemma-ane-swift")
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// gemma-ane-swift: the Swift package's example executable. `generate` and `chat` with the Python CLI's names for
+/// the options they share. On Linux the chunks run in the Python MIL executor (--python PATH, or GEMMA_ANE_PYTHON,
+/// default python3 on PATH); errors are one line and exit status 2, as the Python CLI's.
+let usage = """
+    usage: gemma-ane-swift generate BUNDLE --prompt TEXT [--system TEXT] [--think] [--raw] [--max-tokens N]
+                                  [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R]
+                                  [--presence-penalty P] [--frequency-penalty P] [--seed S] [--json] [--python PATH]
+           gemma-ane-swift chat BUNDLE [--system TEXT] [--think] [--max-tokens N] [sampling options] [--python PATH]
+    """
+
+struct Arguments {
+    var command = ""
+    var bundle = ""
+    var prompt: String?
+    var options = GenerateOptions()
+    var sampling: [String: String] = [:]
+    var json = false
+    var python = ProcessInfo.processInfo.environment["GEMMA_ANE_PYTHON"] ?? "python3"
+
+    static let samplingFlags = [
+        "--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty",
+        "--frequency-penalty", "--seed",
+    ]
+
+    init(_ argv: [String]) throws {
+        var rest = argv[...]
+        func value(_ flag: String) throws -> String {
+            guard let v = rest.popFirst() else { throw GemmaANEError(.input, "\(flag): expected a value") }
+            return v
+        }
+        guard let command = rest.popFirst(), ["generate", "chat"].contains(command) else {
+            throw GemmaANEError(.input, "expected a command: generate or chat")
+        }
+        self.command = command
+        while let arg = rest.popFirst() {
+            switch arg {
+            case "--prompt": prompt = try value(arg)
+            case "--system": options.system = try value(arg)
+            case "--think": options.enableThinking = true
+            case "--raw": options.raw = true
+            case "--json": json = true
+            case "--python": python = try value(arg)
+            case "--max-tokens":
+                let v = try value(arg)
+                guard let n = Int(v), n >= 0 else { throw GemmaANEError(.input, "--max-tokens \(v): expected a non-negative integer") }
+                options.maxTokens = n
+            case _ where Self.samplingFlags.contains(arg): sampling[arg] = try value(arg)
+            case _ where arg.hasPrefix("-"): throw GemmaANEError(.input, "\(arg): no such option")
+            default:
+                guard bundle.isEmpty else { throw GemmaANEError(.input, "\(arg): one bundle only") }
+                bundle = arg
+            }
+        }
+        guard !bundle.isEmpty else { throw GemmaANEError(.input, "BUNDLE: missing") }
+        if command == "generate", prompt == nil { throw GemmaANEError(.input, "--prompt: missing") }
+    }
+
+    /// The sampling options given, over `base` (the bundle's defaults), each refused naming its flag.
+    func samplingOptions(over base: SamplingOptions) throws -> SamplingOptions {
+        var s = base
+        func number(_ flag: String) throws -> Double? {
+            guard let v = sampling[flag] else { return nil }
+            guard let d = Double(v), d.isFinite else { throw GemmaANEError(.input, "\(flag) \(v): expected a number") }
+            return d
+        }
+        func integer(_ flag: String) throws -> Int? {
+            guard let v = sampling[flag] else { return nil }
+            guard let i = Int(v) else { throw GemmaANEError(.input, "\(flag) \(v): expected an integer") }
+            return i
+        }
+        if let t = try number("--temperature") { s.temperature = t }
+        if let k = try integer("--top-k") { s.topK = k }
+        if let p = try number("--top-p") { s.topP = p }
+        if let p = try number("--min-p") { s.minP = p }
+        if let r = try number("--repetition-penalty") { s.repetitionPenalty = r }
+        if let p = try number("--presence-penalty") { s.presencePenalty = p }
+        if let p = try number("--frequency-penalty") { s.frequencyPenalty = p }
+        if let v = sampling["--seed"] {
+            // a negative seed is its 64-bit two's complement, as the Python sampler maps it
+            guard let seed = UInt64(v) ?? Int64(v).map({ UInt64(bitPattern: $0) }) else {
+                throw GemmaANEError(.input, "--seed \(v): expected an integer")
+            }
+            s.seed = seed
+        }
+        do {
+            try s.validate()
+        } catch let e as GemmaANEError {
+            throw GemmaANEError(.input, "--\(e.message.replacingOccurrences(of: "_", with: "-"))")
+        }
+        return s
+    }
+}
+
+func fail(_ message: String) -> Never {
+    FileHandle.standardError.write(Data("gemma-ane-swift: error: \(message)\n".utf8))
+    exit(2)
+}
+
+func write(_ text: String) {
+    FileHandle.standardOutput.write(Data(text.utf8))
+}
+
+func run() throws {
+    let args = try Arguments(Array(CommandLine.arguments.dropFirst()))
+    let model = try GemmaModel.load(URL(fileURLWithPath: args.bundle), python: args.python) { warning in
+        FileHandle.standardError.write(Data("warning: \(warning)\n".utf8))
+    }
+    let sampling = try args.samplingOptions(over: try model.sampling(nil))
+    switch args.command {
+    case "generate":
+        let ids = try promptIds(model, args.prompt ?? "", args.options)
+        var tokens: [Int] = [], text = ""
+        let stats = try model.generate(ids: ids, maxTokens: args.options.maxTokens, sampling: try model.sampling(sampling)) { event in
+            switch event {
+            case .token(let id, let piece):
+                tokens.append(id)
+                text += piece
+                if !args.json { write(piece) }
+            case .text(let piece):
+                text += piece
+                if !args.json { write(piece) }
+            case .finish: break
+            }
+            return true
+        }
+        if args.json {
+            let object: [String: Any] = ["tokens": tokens, "text": text, "finish_reason": stats.finishReason,
+                                         "prompt_tokens": stats.promptTokens, "reused_tokens": stats.reusedTokens]
+            write(String(decoding: try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys]), as: UTF8.self) + "\n")
+        } else {
+            write("\n")
+        }
+    default:
+        throw GemmaANEError(.input, "chat: not available in this build")
+    }
+}
+
+/// The prompt's ids: raw (`<bos>` and the text) or through the chat format.
+func promptIds(_ model: GemmaModel, _ prompt: String, _ options: GenerateOptions) throws -> [Int] {
+    guard options.raw else { throw GemmaANEError(.input, "--raw: needed in this build") }
+    if options.system != nil {
+        throw GemmaANEError(.input, "a raw prompt has no chat template, so it cannot take a system prompt or tools")
+    }
+    return model.rawPromptIds(prompt)
+}
+
+signal(SIGPIPE, SIG_IGN)
+do {
+    try run()
+} catch let e as GemmaANEError {
+    fail(e.message)
+} catch {
+    fail("\(error)")
+}

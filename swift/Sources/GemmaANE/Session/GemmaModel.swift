@@ -1,0 +1,104 @@
+import Foundation
+
+/// A loaded bundle an app generates with: the engine over its chunks, its tokenizer, its sampling defaults and
+/// stop tokens. Generations run one at a time (the caches are one conversation's); `ChatSession` streams them.
+public final class GemmaModel: @unchecked Sendable {
+    public let bundle: ModelBundle
+    public let engine: Engine
+    public let tokenizer: BPETokenizer
+    /// The ids that end a generation (CONTRACT §1).
+    public let stopIds: Set<Int>
+    private let lock = NSLock()
+
+    /// A bundle run by `runners` (one per chunk, in order: Core ML's on a device, `PipeRunner.open` on Linux).
+    public init(bundle: ModelBundle, runners: [ChunkRunner], warn: @escaping (String) -> Void = { _ in }) throws {
+        self.bundle = bundle
+        engine = try Engine(bundle: bundle, runners: runners, warn: warn)
+        tokenizer = try BPETokenizer(contentsOf: bundle.root.appendingPathComponent(BundleLayout.tokenizer))
+        stopIds = bundle.stopIds
+    }
+
+    #if os(macOS) || os(Linux)
+    /// The bundle at `url` with its chunks run by the Python MIL executor (`python -m gemma_ane.mil.serve`).
+    public static func load(_ url: URL, python: String, warn: @escaping (String) -> Void = { _ in }) throws -> GemmaModel {
+        let bundle = try ModelBundle(url)
+        return try GemmaModel(bundle: bundle, runners: try PipeRunner.open(bundle: url, python: python), warn: warn)
+    }
+    #endif
+
+    /// The sampling of one generation: the caller's options, or the bundle's defaults; checked against the
+    /// vocabulary. The published argmax head runs greedy only, and says so.
+    public func sampling(_ options: SamplingOptions?) throws -> SamplingOptions {
+        let sampling = try options ?? SamplingOptions(
+            generationConfig: bundle.generation.fields, file: bundle.root.appendingPathComponent(BundleLayout.generationConfig).path)
+        try sampling.validate(vocabularySize: bundle.config.vocabSize)
+        if engine.head != "logits", !sampling.isGreedy || !sampling.logitBias.isEmpty {
+            throw GemmaANEError(
+                .input,
+                "this bundle's last chunk returns only the argmax token (published layout): sampling and logit_bias are not possible; use temperature=0")
+        }
+        return sampling
+    }
+
+    /// A raw prompt's ids: `<bos>` and the text, every control token it spells counted as one.
+    public func rawPromptIds(_ text: String) -> [Int] {
+        [bundle.config.bosTokenId ?? 2] + tokenizer.encode(text)
+    }
+
+    /// Generates from prompt ids, reusing what the caches hold of them; `onEvent` gets each event and returns false
+    /// to stop. `marks`: positions where a later prompt may part from this one (its turns' ends), snapshotted.
+    @discardableResult
+    public func generate(
+        ids: [Int], marks: [Int] = [], maxTokens: Int, sampling: SamplingOptions, cancelled: (() -> Bool)? = nil,
+        onEvent: (GenerationEvent) -> Bool
+    ) throws -> GenerationStats {
+        lock.lock()
+        defer { lock.unlock() }
+        guard maxTokens >= 0 else { throw GemmaANEError(.input, "max_tokens=\(maxTokens): expected a non-negative integer") }
+        if ids.count > engine.context {
+            throw GemmaANEError(.input, "prompt of \(ids.count) tokens exceeds the context of \(engine.context)")
+        }
+        let start = Date()
+        var (reused, logits) = try engine.prompt(ids, marks: marks, cancelled: cancelled)
+        var sampler = try Sampler(options: sampling, history: ids.filter { $0 >= 0 })
+        var detokenizer = StreamingDetokenizer(tokenizer: tokenizer)
+        var generated = 0, finish = "length", firstToken: Date?
+        while generated < maxTokens {
+            if let cancelled, cancelled() {
+                finish = "cancelled"
+                break
+            }
+            let values = logits.floats
+            let token = engine.head == "logits" ? try sampler.sample(values) : Int(values.first ?? 0)
+            sampler.observe(token)
+            firstToken = firstToken ?? Date()
+            generated += 1
+            if stopIds.contains(token) {
+                _ = onEvent(.token(id: token, text: detokenizer.flush()))
+                finish = "stop"
+                break
+            }
+            if !onEvent(.token(id: token, text: detokenizer.push(token))) {
+                finish = "cancelled"
+                break
+            }
+            // the context holds the prompt and every token but this one, which is not fed
+            if generated >= maxTokens || ids.count + generated > engine.context { break }
+            guard let next = try engine.feed([token]) else { throw GemmaANEError(.device, "the head returned nothing") }
+            logits = next
+        }
+        let end = Date()
+        let ttft = (firstToken ?? end).timeIntervalSince(start), decode = end.timeIntervalSince(firstToken ?? end)
+        let stats = GenerationStats(
+            finishReason: finish, promptTokens: ids.count, reusedTokens: reused, generatedTokens: generated,
+            timeToFirstToken: firstToken == nil ? 0 : ttft,
+            prefillTokensPerSecond: firstToken != nil && ttft > 0 ? Double(ids.count - reused) / ttft : 0,
+            decodeTokensPerSecond: generated > 1 && decode > 0 ? Double(generated - 1) / decode : 0)
+        if finish == "length" {
+            let tail = detokenizer.flush()
+            if !tail.isEmpty { _ = onEvent(.text(tail)) }
+        }
+        _ = onEvent(.finish(stats))
+        return stats
+    }
+}
