@@ -112,43 +112,103 @@ func run() throws {
     let model = try GemmaModel.load(URL(fileURLWithPath: args.bundle), python: args.python) { warning in
         FileHandle.standardError.write(Data("warning: \(warning)\n".utf8))
     }
-    let sampling = try args.samplingOptions(over: try model.sampling(nil))
+    let sampling = try model.sampling(try args.samplingOptions(over: try model.defaultSampling()))
     switch args.command {
     case "generate":
-        let ids = try promptIds(model, args.prompt ?? "", args.options)
-        var tokens: [Int] = [], text = ""
-        let stats = try model.generate(ids: ids, maxTokens: args.options.maxTokens, sampling: try model.sampling(sampling)) { event in
-            switch event {
-            case .token(let id, let piece):
-                tokens.append(id)
-                text += piece
-                if !args.json { write(piece) }
-            case .text(let piece):
-                text += piece
-                if !args.json { write(piece) }
-            case .finish: break
-            }
-            return true
-        }
-        if args.json {
-            let object: [String: Any] = ["tokens": tokens, "text": text, "finish_reason": stats.finishReason,
-                                         "prompt_tokens": stats.promptTokens, "reused_tokens": stats.reusedTokens]
-            write(String(decoding: try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys]), as: UTF8.self) + "\n")
-        } else {
-            write("\n")
-        }
+        try generate(model, args, sampling)
     default:
-        throw GemmaANEError(.input, "chat: not available in this build")
+        var options = args.options
+        options.sampling = sampling
+        try chat(ChatSession(model: model, options: options))
     }
 }
 
-/// The prompt's ids: raw (`<bos>` and the text) or through the chat format.
-func promptIds(_ model: GemmaModel, _ prompt: String, _ options: GenerateOptions) throws -> [Int] {
-    guard options.raw else { throw GemmaANEError(.input, "--raw: needed in this build") }
-    if options.system != nil {
-        throw GemmaANEError(.input, "a raw prompt has no chat template, so it cannot take a system prompt or tools")
+func generate(_ model: GemmaModel, _ args: Arguments, _ sampling: SamplingOptions) throws {
+    let prompt = args.prompt ?? ""
+    let (ids, marks): ([Int], [Int])
+    if args.options.raw {
+        if args.options.system != nil {
+            throw GemmaANEError(.input, "a raw prompt has no chat template, so it cannot take a system prompt or tools")
+        }
+        (ids, marks) = (model.rawPromptIds(prompt), [])
+    } else {
+        let system = args.options.system.flatMap { $0.isEmpty ? nil : [ChatMessage.system($0)] } ?? []
+        (ids, marks) = try model.promptIds(system + [.user(prompt)], enableThinking: args.options.enableThinking)
     }
-    return model.rawPromptIds(prompt)
+    var tokens: [Int] = [], text = ""
+    let stats = try model.generate(ids: ids, marks: marks, maxTokens: args.options.maxTokens, sampling: sampling) { event in
+        switch event {
+        case .token(let id, let piece):
+            tokens.append(id)
+            text += piece
+            if !args.json { write(piece) }
+        case .text(let piece):
+            text += piece
+            if !args.json { write(piece) }
+        case .finish: break
+        }
+        return true
+    }
+    if args.json {
+        let object: [String: Any] = [
+            "tokens": tokens, "text": text, "finish_reason": stats.finishReason, "prompt_tokens": stats.promptTokens,
+            "reused_tokens": stats.reusedTokens, "generated_tokens": stats.generatedTokens,
+        ]
+        write(String(decoding: try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys]), as: UTF8.self) + "\n")
+    } else {
+        write("\n")
+        FileHandle.standardError.write(Data((summary(stats) + "\n").utf8))
+    }
+}
+
+/// One line of a generation's stats, as the Python CLI prints them.
+func summary(_ s: GenerationStats) -> String {
+    let n = s.generatedTokens
+    let generation = n == 1 ? "1 token" : "\(n) tokens, \(String(format: "%.1f", s.decodeTokensPerSecond)) tok/s"
+    return "prompt: \(s.promptTokens) tokens (\(s.reusedTokens) reused), \(String(format: "%.1f", s.prefillTokensPerSecond)) tok/s | generation: \(generation)"
+}
+
+/// The Python CLI's chat: one user turn a line of stdin, the answer on stdout, its stats on stderr; /reset,
+/// /system TEXT and /think on|off as there. An error is this turn's only, never the chat's.
+func chat(_ session: ChatSession) throws {
+    while let line = readLine(strippingNewline: true) {
+        if line.trimmingCharacters(in: .whitespaces).isEmpty { continue }
+        if line == "/reset" {
+            session.reset()
+            write("(conversation cleared)\n")
+            continue
+        }
+        if line.hasPrefix("/system") {
+            let text = line.dropFirst("/system".count).trimmingCharacters(in: .whitespaces)
+            session.options.system = text.isEmpty ? nil : text
+            session.reset()
+            write("(system prompt \(text.isEmpty ? "cleared" : "set"); conversation cleared)\n")
+            continue
+        }
+        if line.hasPrefix("/think") {
+            let arg = line.dropFirst("/think".count).trimmingCharacters(in: .whitespaces)
+            guard arg == "on" || arg == "off" else {
+                write("usage: /think on|off\n")
+                continue
+            }
+            session.options.enableThinking = arg == "on"
+            write("(thinking \(arg))\n")
+            continue
+        }
+        do {
+            let stats = try session.turn(line) { event in
+                switch event {
+                case .token(_, let piece), .text(let piece): write(piece)
+                case .finish: break
+                }
+                return true
+            }
+            write("\n")
+            FileHandle.standardError.write(Data((summary(stats) + "\n").utf8))
+        } catch let e as GemmaANEError where e.kind == .input {
+            FileHandle.standardError.write(Data("gemma-ane-swift chat: error: \(e.message)\n".utf8))
+        }
+    }
 }
 
 signal(SIGPIPE, SIG_IGN)

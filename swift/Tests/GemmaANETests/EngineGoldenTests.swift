@@ -34,12 +34,12 @@ enum EngineGoldens {
 
     static func dir() throws -> URL { try written.get() }
 
-    static func json() throws -> [String: JSONValue] {
+    static func json() throws -> [String: BundleJSON] {
         try readJSONObject(try dir().appendingPathComponent("engine.json"))
     }
 }
 
-func floats(_ v: JSONValue?) -> [Float] { (v?.array ?? []).map { Float($0.number ?? .nan) } }
+func floats(_ v: BundleJSON?) -> [Float] { (v?.array ?? []).map { Float($0.number ?? .nan) } }
 
 @Test func hostRowsEqualPython() throws {
     let goldens = try EngineGoldens.json()

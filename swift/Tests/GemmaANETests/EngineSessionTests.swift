@@ -100,7 +100,7 @@ final class StubRunner: ChunkRunner {
 }
 
 /// A bundle over the goldens' host tables with the given window; its chunks are stubs.
-func stubEngine(_ g: [JSONValue], refuse: Set<String> = [], warnings: @escaping (String) -> Void = { _ in }) throws -> (Engine, [StubRunner]) {
+func stubEngine(_ g: [BundleJSON], refuse: Set<String> = [], warnings: @escaping (String) -> Void = { _ in }) throws -> (Engine, [StubRunner]) {
     let root = try EngineGoldens.dir().appendingPathComponent("host")
     let bundleURL = FileManager.default.temporaryDirectory.appendingPathComponent("gemma-ane-stub-\(UUID().uuidString)")
     try FileManager.default.copyItem(at: root, to: bundleURL)
@@ -150,7 +150,7 @@ func stubEngine(_ g: [JSONValue], refuse: Set<String> = [], warnings: @escaping 
 }
 
 @Test func refusedPromptFunctionFallsBackWithOneWarning() throws {
-    let geometry: [JSONValue] = [.int(64), .int(16), .int(16), .int(4), .array([.int(8), .int(4)]), .null]
+    let geometry: [BundleJSON] = [.int(64), .int(16), .int(16), .int(4), .array([.int(8), .int(4)]), .null]
     var warned: [String] = []
     let (engine, runners) = try stubEngine(geometry, refuse: ["prefill_kv_b8", "prefill_kv_b4"]) { warned.append($0) }
     _ = try engine.prompt(Array(repeating: 5, count: 20))
@@ -162,7 +162,7 @@ func stubEngine(_ g: [JSONValue], refuse: Set<String> = [], warnings: @escaping 
 }
 
 @Test func cancelledPromptKeepsTheBatchesRun() throws {
-    let geometry: [JSONValue] = [.int(64), .int(16), .int(16), .int(4), .array([]), .null]
+    let geometry: [BundleJSON] = [.int(64), .int(16), .int(16), .int(4), .array([]), .null]
     let (engine, _) = try stubEngine(geometry)
     var asked = 0
     #expect(throws: GemmaANEError(.cancelled, "cancelled after 8 of the prompt's tokens")) {

@@ -25,18 +25,18 @@ public struct ModelConfig: Sendable, Equatable {
     public static let maxContext = 1 << 20
     static let quantizations = Set(["none", "fp16", "float16"] + (1...8).map { "int\($0)" })
 
-    public init(json config: [String: JSONValue], file: String) throws {
+    public init(json config: [String: BundleJSON], file: String) throws {
         func fail(_ name: String, _ what: String) -> GemmaANEError {
             GemmaANEError(.bundle, "\(file): \(name)=\(config[name]?.short ?? ""): expected \(what)")
         }
-        func positive(_ v: JSONValue) -> Bool { (v.int ?? 0) > 0 }
-        func scale(_ v: JSONValue) -> Bool {
+        func positive(_ v: BundleJSON) -> Bool { (v.int ?? 0) > 0 }
+        func scale(_ v: BundleJSON) -> Bool {
             guard let d = v.number else { return false }
             return d > 0 && d <= Double(Float.greatestFiniteMagnitude)
         }
-        func token(_ v: JSONValue) -> Bool { (v.int ?? -1) >= 0 }
+        func token(_ v: BundleJSON) -> Bool { (v.int ?? -1) >= 0 }
         // name, required, what, test: TEXT_FIELDS in its order, so the first field at fault is Python's
-        let rules: [(String, Bool, String, (JSONValue) -> Bool)] = [
+        let rules: [(String, Bool, String, (BundleJSON) -> Bool)] = [
             ("vocab_size", true, "a positive integer", positive),
             ("hidden_size", true, "a positive integer", positive),
             ("num_hidden_layers", true, "a positive integer", positive),

@@ -26,11 +26,16 @@ public final class GemmaModel: @unchecked Sendable {
     }
     #endif
 
-    /// The sampling of one generation: the caller's options, or the bundle's defaults; checked against the
-    /// vocabulary. The published argmax head runs greedy only, and says so.
-    public func sampling(_ options: SamplingOptions?) throws -> SamplingOptions {
-        let sampling = try options ?? SamplingOptions(
+    /// The bundle's sampling defaults (generation_config.json; the Python defaults without one).
+    public func defaultSampling() throws -> SamplingOptions {
+        try SamplingOptions(
             generationConfig: bundle.generation.fields, file: bundle.root.appendingPathComponent(BundleLayout.generationConfig).path)
+    }
+
+    /// The sampling of one generation (nil: the bundle's defaults), checked against the vocabulary. The published
+    /// argmax head runs greedy only, and says so.
+    public func sampling(_ options: SamplingOptions?) throws -> SamplingOptions {
+        let sampling = try options ?? defaultSampling()
         try sampling.validate(vocabularySize: bundle.config.vocabSize)
         if engine.head != "logits", !sampling.isGreedy || !sampling.logitBias.isEmpty {
             throw GemmaANEError(
@@ -38,6 +43,36 @@ public final class GemmaModel: @unchecked Sendable {
                 "this bundle's last chunk returns only the argmax token (published layout): sampling and logit_bias are not possible; use temperature=0")
         }
         return sampling
+    }
+
+    /// The ids of `messages` in Gemma 4's chat format with the model's turn opened, and where their turns end
+    /// (the positions the engine snapshots its rings at, so a later conversation that parts there reuses the rest).
+    public func promptIds(_ messages: [ChatMessage], enableThinking: Bool = false) throws -> (ids: [Int], marks: [Int]) {
+        let ids = try Gemma4Format.promptIDs(messages, enableThinking: enableThinking, tokenizer: tokenizer)
+        return (ids, Self.turnEnds(ids, newline: tokenizer.encode("\n")))
+    }
+
+    /// Where the messages end in `ids` (model.turn_ends): after each `<turn|>` and its newline, after a message's
+    /// calls (`<tool_call|><|tool_response>`) and after each result (`<tool_response|>`); the newest
+    /// `Engine.maxSnapshots`, leaving out the last when only the generation prompt follows it.
+    static func turnEnds(_ ids: [Int], newline: [Int]) -> [Int] {
+        let turnClose = 106, toolCallClose = 49, toolResponseOpen = 50, toolResponseClose = 51
+        let generationPrompt = 8  // "<|turn>model\n" and a thought channel's opening: no part point inside it
+        var ends: [Int] = []
+        for (i, t) in ids.enumerated() {
+            let end: Int
+            if t == turnClose {
+                let after = ids[(i + 1)..<min(ids.count, i + 1 + newline.count)]
+                end = i + 1 + (Array(after) == newline ? newline.count : 0)
+            } else if t == toolResponseClose || (t == toolResponseOpen && i > 0 && ids[i - 1] == toolCallClose) {
+                end = i + 1
+            } else {
+                continue
+            }
+            if end < ids.count { ends.append(end) }
+        }
+        if let last = ends.last, ids.count - last <= generationPrompt { ends.removeLast() }
+        return Array(ends.suffix(Engine.maxSnapshots))
     }
 
     /// A raw prompt's ids: `<bos>` and the text, every control token it spells counted as one.
