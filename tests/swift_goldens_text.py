@@ -15,6 +15,10 @@ OUTDIR/chat.json: a conversation corpus (system, developer, thinking, tools, cal
 several turns, text that spells control tokens) rendered by Google's Gemma 4 chat template (the authority:
 tests/fixtures/gemma4_chat_template.jinja) and encoded as the runtime's chat_ids encodes it, control-token
 spellings in user text, tool results, call arguments and declarations kept text, with both tokenizers.
+
+OUTDIR/output.json: generated token sequences (reasoning, tool calls with nested arguments, malformed and unknown
+calls, a call cut short, stop strings across tokens, text cut inside a character) through the runtime's
+OutputParser, its delta per token and at the finish.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from gemma_ane.oracle.tokenizer_files import _CORPUS, _merge, build_tokenizer
-from gemma_ane.runtime.chat import ChatTemplate, Detokenizer, escape_content, escape_strings, unused_mark
+from gemma_ane.runtime.chat import ChatTemplate, Detokenizer, OutputParser, escape_content, escape_strings, unused_mark
 from gemma_ane.runtime.sampling import Sampler, SamplingParams
 from gemma_ane.runtime.tokens import SPECIAL_TOKENS, ControlTokens
 from gemma_ane.runtime.tools import check_tools, prepare_messages
@@ -400,6 +405,51 @@ def write_chat(out: Path) -> None:
     (out / "chat.json").write_text(json.dumps(cases, indent=1, ensure_ascii=True))
 
 
+OUTPUTS = [
+    ("The capital of France is Paris.", [], None),
+    ("<|channel>thought\nThe user wants a city.<channel|>Paris, of course. STOP and more", ["STOP"], None),
+    ("<|channel>thought\nmention STOP here<channel|>answer STO", ["STOP"], None),
+    ("abcabcabd then abcabd", ["abcabd"], None),
+    ("one two three", ["two", "three", "one two"], None),
+    ("emoji 😀 then 中文 end", ["中文"], None),
+    (
+        'Sure.<|tool_call>call:search.web{query:<|"|>Paris "tour" 中文<|"|>,'
+        'filters:[{field:<|"|>year<|"|>,value:null}],'
+        "options:{safe:true,ratio:0.5,big:1e+16,n:-3,Depth:2},tags:[]}<tool_call|>",
+        [],
+        ["search.web", "get_weather"],
+    ),
+    ('<|tool_call>call:get_weather{city:<|"|>Lyon<|"|>}<tool_call|><|tool_call>call:now{}<tool_call|>', [], None),
+    ("<|tool_call>call:unknown{a:1}<tool_call|> after", [], ["get_weather"]),
+    ('<|tool_call>call:get_weather{city:<|"|>Lyon}<tool_call|> malformed', [], None),
+    ("<|tool_call>call:get_weather{a:1,}<tool_call|> trailing comma", [], None),
+    ("before <|tool_call>call:get_weather{city:", [], None),
+    ("cut inside a character", [], None),
+]
+
+
+def write_output(out: Path) -> None:
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer-byte-level.json"))
+    cases = []
+    for text, stop, tools in OUTPUTS:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if text == "cut inside a character":
+            ids = ids + tokenizer.encode("😀", add_special_tokens=False).ids[:2]
+        declared = None if tools is None else [{"type": "function", "function": {"name": n}} for n in tools]
+        parser = OutputParser(tokenizer, stop=stop, tools=declared)
+
+        def delta(d):
+            calls = [{"name": c.name, "arguments": c.arguments} for c in d.tool_calls]
+            return {"content": d.content, "reasoning": d.reasoning, "tool_calls": calls}
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a malformed or cut call warns; the deltas are what is compared
+            deltas = [delta(parser.add(i)) for i in ids]
+            finish = delta(parser.finish())
+        cases.append({"ids": ids, "stop": stop, "tools": tools, "deltas": deltas, "finish": finish})
+    (out / "output.json").write_text(json.dumps(cases, indent=1, ensure_ascii=True))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python tests/swift_goldens_text.py OUTDIR", file=sys.stderr)
@@ -409,6 +459,7 @@ def main(argv: list[str]) -> int:
     write_sampling(out)
     write_tokenizers(out)
     write_chat(out)
+    write_output(out)
     return 0
 
 
