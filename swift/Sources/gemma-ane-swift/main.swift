@@ -135,23 +135,23 @@ func generate(_ model: GemmaModel, _ args: Arguments, _ sampling: SamplingOption
         let system = args.options.system.flatMap { $0.isEmpty ? nil : [ChatMessage.system($0)] } ?? []
         (ids, marks) = try model.promptIds(system + [.user(prompt)], enableThinking: args.options.enableThinking)
     }
-    var tokens: [Int] = [], text = ""
+    var tokens: [Int] = [], text = "", reasoning = ""
     let stats = try model.generate(ids: ids, marks: marks, maxTokens: args.options.maxTokens, sampling: sampling) { event in
         switch event {
-        case .token(let id, let piece):
-            tokens.append(id)
-            text += piece
-            if !args.json { write(piece) }
+        case .token(let id): tokens.append(id)
         case .text(let piece):
             text += piece
             if !args.json { write(piece) }
-        case .finish: break
+        case .reasoning(let piece):
+            reasoning += piece
+            if !args.json { FileHandle.standardError.write(Data(piece.utf8)) }
+        case .toolCall, .finish: break
         }
         return true
     }
     if args.json {
         let object: [String: Any] = [
-            "tokens": tokens, "text": text, "finish_reason": stats.finishReason, "prompt_tokens": stats.promptTokens,
+            "tokens": tokens, "text": text, "reasoning": reasoning, "finish_reason": stats.finishReason, "prompt_tokens": stats.promptTokens,
             "reused_tokens": stats.reusedTokens, "generated_tokens": stats.generatedTokens,
         ]
         write(String(decoding: try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys]), as: UTF8.self) + "\n")
@@ -198,8 +198,9 @@ func chat(_ session: ChatSession) throws {
         do {
             let stats = try session.turn(line) { event in
                 switch event {
-                case .token(_, let piece), .text(let piece): write(piece)
-                case .finish: break
+                case .text(let piece): write(piece)
+                case .reasoning(let piece): FileHandle.standardError.write(Data(piece.utf8))
+                case .token, .toolCall, .finish: break
                 }
                 return true
             }

@@ -50,19 +50,22 @@ public final class ChatSession: @unchecked Sendable {
         lock.lock()
         defer { lock.unlock() }
         let conversation = messages + [.user(text)]
-        let (ids, marks) = try model.promptIds(conversation, enableThinking: options.enableThinking)
-        var answer = ""
+        let (ids, marks) = try model.promptIds(conversation, tools: options.tools, enableThinking: options.enableThinking)
+        var answer = "", reasoning = "", calls: [ToolCall] = []
         let stats = try model.generate(
             ids: ids, marks: marks, maxTokens: options.maxTokens, sampling: try model.sampling(options.sampling),
+            stop: options.stop, toolNames: options.tools.isEmpty ? nil : Set(options.tools.map(\.name)),
             cancelled: { stop.isSet }
         ) { event in
             switch event {
-            case .token(_, let piece), .text(let piece): answer += piece
-            case .finish: break
+            case .text(let piece): answer += piece
+            case .reasoning(let piece): reasoning += piece
+            case .toolCall(let call): calls.append(call)
+            case .token, .finish: break
             }
             return onEvent(event)
         }
-        messages = conversation + [.assistant(answer)]
+        messages = conversation + [.assistant(answer, reasoning: reasoning.isEmpty ? nil : reasoning, toolCalls: calls)]
         return stats
     }
 }

@@ -2,7 +2,7 @@ import Foundation
 
 /// How a generation went (the Python runtime's `Stats`): on its `.finish` event.
 public struct GenerationStats: Sendable, Equatable {
-    /// "stop" (a stop token), "length" (max tokens or the context), "cancelled".
+    /// "stop" (a stop token or string), "tool_calls", "length" (max tokens or the context), "cancelled".
     public var finishReason: String
     public var promptTokens: Int
     /// Prompt tokens whose caches were kept from the turn before: not processed again.
@@ -15,13 +15,14 @@ public struct GenerationStats: Sendable, Equatable {
     public var decodeTokensPerSecond: Double
 }
 
-/// One step of a streamed generation.
+/// One step of a streamed generation. Each token drawn is a `.token` (its id), then what it released: answer
+/// text, reasoning (the thought channel's text), a tool call once its closing token arrives; `.finish` last.
 public enum GenerationEvent: Sendable, Equatable {
-    /// A token was drawn (its id) and the text it completed (often empty: a character may span tokens).
-    case token(id: Int, text: String)
-    /// Text with no token of its own: what the detokenizer held when the generation reached its length.
+    case token(Int)
     case text(String)
-    /// The generation ended: why, and its counts and speeds.
+    case reasoning(String)
+    case toolCall(ToolCall)
+    /// The generation ended: why ("stop", "tool_calls", "length", "cancelled"), and its counts and speeds.
     case finish(GenerationStats)
 }
 
@@ -32,13 +33,19 @@ public struct GenerateOptions: Sendable, Equatable {
     public var maxTokens: Int
     public var system: String?
     public var enableThinking: Bool
+    /// Strings that end the answer where they appear (at most 4), as the Python runtime's `stop`.
+    public var stop: [String]
+    /// Functions the model may call, declared in the system turn.
+    public var tools: [ToolDefinition]
     /// The prompt is the caller's own formatting, control tokens included (no chat template; `<bos>` first).
     public var raw: Bool
 
     public init(
         sampling: SamplingOptions? = nil, maxTokens: Int = 256, system: String? = nil, enableThinking: Bool = false,
-        raw: Bool = false
+        raw: Bool = false, stop: [String] = [], tools: [ToolDefinition] = []
     ) {
+        self.stop = stop
+        self.tools = tools
         self.sampling = sampling
         self.maxTokens = maxTokens
         self.system = system

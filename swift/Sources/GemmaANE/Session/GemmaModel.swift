@@ -47,8 +47,10 @@ public final class GemmaModel: @unchecked Sendable {
 
     /// The ids of `messages` in Gemma 4's chat format with the model's turn opened, and where their turns end
     /// (the positions the engine snapshots its rings at, so a later conversation that parts there reuses the rest).
-    public func promptIds(_ messages: [ChatMessage], enableThinking: Bool = false) throws -> (ids: [Int], marks: [Int]) {
-        let ids = try Gemma4Format.promptIDs(messages, enableThinking: enableThinking, tokenizer: tokenizer)
+    public func promptIds(
+        _ messages: [ChatMessage], tools: [ToolDefinition] = [], enableThinking: Bool = false
+    ) throws -> (ids: [Int], marks: [Int]) {
+        let ids = try Gemma4Format.promptIDs(messages, tools: tools, enableThinking: enableThinking, tokenizer: tokenizer)
         return (ids, Self.turnEnds(ids, newline: tokenizer.encode("\n")))
     }
 
@@ -80,12 +82,13 @@ public final class GemmaModel: @unchecked Sendable {
         [bundle.config.bosTokenId ?? 2] + tokenizer.encode(text)
     }
 
-    /// Generates from prompt ids, reusing what the caches hold of them; `onEvent` gets each event and returns false
-    /// to stop. `marks`: positions where a later prompt may part from this one (its turns' ends), snapshotted.
+    /// Generates from prompt ids, reusing what the caches hold of them, as the Python runtime's `_run` does; `onEvent`
+    /// gets each event and returns false to stop. `marks`: where a later prompt may part from this one (its turns'
+    /// ends), snapshotted. `stop`: stop strings; `toolNames`: the functions a call may name (nil: any).
     @discardableResult
     public func generate(
-        ids: [Int], marks: [Int] = [], maxTokens: Int, sampling: SamplingOptions, cancelled: (() -> Bool)? = nil,
-        onEvent: (GenerationEvent) -> Bool
+        ids: [Int], marks: [Int] = [], maxTokens: Int, sampling: SamplingOptions, stop: [String] = [],
+        toolNames: Set<String>? = nil, cancelled: (() -> Bool)? = nil, onEvent: (GenerationEvent) -> Bool
     ) throws -> GenerationStats {
         lock.lock()
         defer { lock.unlock() }
@@ -93,11 +96,18 @@ public final class GemmaModel: @unchecked Sendable {
         if ids.count > engine.context {
             throw GemmaANEError(.input, "prompt of \(ids.count) tokens exceeds the context of \(engine.context)")
         }
+        var parser = try OutputParser(tokenizer: tokenizer, stop: stop, toolNames: toolNames)
         let start = Date()
         var (reused, logits) = try engine.prompt(ids, marks: marks, cancelled: cancelled)
         var sampler = try Sampler(options: sampling, history: ids.filter { $0 >= 0 })
-        var detokenizer = StreamingDetokenizer(tokenizer: tokenizer)
-        var generated = 0, finish = "length", firstToken: Date?
+        var generated = 0, finish: String?, firstToken: Date?
+        func emit(_ token: Int, _ delta: OutputDelta) -> Bool {
+            var go = onEvent(.token(token))
+            if !delta.reasoning.isEmpty { go = onEvent(.reasoning(delta.reasoning)) && go }
+            if !delta.content.isEmpty { go = onEvent(.text(delta.content)) && go }
+            for call in delta.toolCalls { go = onEvent(.toolCall(call)) && go }
+            return go
+        }
         while generated < maxTokens {
             if let cancelled, cancelled() {
                 finish = "cancelled"
@@ -109,12 +119,16 @@ public final class GemmaModel: @unchecked Sendable {
             firstToken = firstToken ?? Date()
             generated += 1
             if stopIds.contains(token) {
-                _ = onEvent(.token(id: token, text: detokenizer.flush()))
-                finish = "stop"
+                finish = parser.toolCalls.isEmpty ? "stop" : "tool_calls"
+                _ = emit(token, parser.finish())
                 break
             }
-            if !onEvent(.token(id: token, text: detokenizer.push(token))) {
+            if !emit(token, parser.push(token)) {
                 finish = "cancelled"
+                break
+            }
+            if parser.stopped {
+                finish = "stop"
                 break
             }
             // the context holds the prompt and every token but this one, which is not fed
@@ -122,17 +136,18 @@ public final class GemmaModel: @unchecked Sendable {
             guard let next = try engine.feed([token]) else { throw GemmaANEError(.device, "the head returned nothing") }
             logits = next
         }
+        if finish == nil {
+            finish = "length"
+            let tail = parser.finish().content
+            if !tail.isEmpty { _ = onEvent(.text(tail)) }
+        }
         let end = Date()
         let ttft = (firstToken ?? end).timeIntervalSince(start), decode = end.timeIntervalSince(firstToken ?? end)
         let stats = GenerationStats(
-            finishReason: finish, promptTokens: ids.count, reusedTokens: reused, generatedTokens: generated,
+            finishReason: finish ?? "length", promptTokens: ids.count, reusedTokens: reused, generatedTokens: generated,
             timeToFirstToken: firstToken == nil ? 0 : ttft,
             prefillTokensPerSecond: firstToken != nil && ttft > 0 ? Double(ids.count - reused) / ttft : 0,
             decodeTokensPerSecond: generated > 1 && decode > 0 ? Double(generated - 1) / decode : 0)
-        if finish == "length" {
-            let tail = detokenizer.flush()
-            if !tail.isEmpty { _ = onEvent(.text(tail)) }
-        }
         _ = onEvent(.finish(stats))
         return stats
     }
