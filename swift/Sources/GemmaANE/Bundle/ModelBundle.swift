@@ -8,7 +8,7 @@ public final class ModelBundle: @unchecked Sendable {
     public let config: ModelConfig
     public let generation: GenerationConfig
     /// manifest.json (ours; the published layout has none).
-    public let manifest: [String: JSONValue]?
+    public let manifest: [String: BundleJSON]?
     public let chunkPaths: [URL]
     public let host: HostTables
 

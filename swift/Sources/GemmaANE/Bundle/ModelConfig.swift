@@ -25,18 +25,18 @@ public struct ModelConfig: Sendable, Equatable {
     public static let maxContext = 1 << 20
     static let quantizations = Set(["none", "fp16", "float16"] + (1...8).map { "int\($0)" })
 
-    public init(json config: [String: JSONValue], file: String) throws {
+    public init(json config: [String: BundleJSON], file: String) throws {
         func fail(_ name: String, _ what: String) -> GemmaANEError {
             GemmaANEError(.bundle, "\(file): \(name)=\(config[name]?.short ?? ""): expected \(what)")
         }
-        func positive(_ v: JSONValue) -> Bool { (v.int ?? 0) > 0 }
-        func scale(_ v: JSONValue) -> Bool {
+        func positive(_ v: BundleJSON) -> Bool { (v.int ?? 0) > 0 }
+        func scale(_ v: BundleJSON) -> Bool {
             guard let d = v.number else { return false }
             return d > 0 && d <= Double(Float.greatestFiniteMagnitude)
         }
-        func token(_ v: JSONValue) -> Bool { (v.int ?? -1) >= 0 }
+        func token(_ v: BundleJSON) -> Bool { (v.int ?? -1) >= 0 }
         // name, required, what, test: TEXT_FIELDS in its order, so the first field at fault is Python's
-        let rules: [(String, Bool, String, (JSONValue) -> Bool)] = [
+        let rules: [(String, Bool, String, (BundleJSON) -> Bool)] = [
             ("vocab_size", true, "a positive integer", positive),
             ("hidden_size", true, "a positive integer", positive),
             ("num_hidden_layers", true, "a positive integer", positive),
@@ -80,9 +80,11 @@ public struct ModelConfig: Sendable, Equatable {
                 if required { throw GemmaANEError(.bundle, "\(file): \(name): missing") }
                 continue
             }
-            if !ok(value) { throw fail(name, what) }
-            if name.hasSuffix("_token_id"), let vocab = config["vocab_size"]?.int, let id = value.int, id >= vocab {
-                throw fail(name, "\(what) below vocab_size \(vocab)")
+            // a token id is also checked against the vocabulary, and its message says so whichever rule failed
+            let vocab = config["vocab_size"]?.int ?? 0
+            let isToken = name.hasSuffix("_token_id")
+            if !ok(value) || isToken && (value.int ?? 0) >= vocab {
+                throw fail(name, isToken ? "\(what) below vocab_size \(vocab)" : what)
             }
         }
         // the rules the Python schema checks once the fields above are sound (TEXT_RELATIONS)

@@ -77,7 +77,7 @@ public final class PipeClient: @unchecked Sendable {
 
     /// One request: `header` plus `tensors` (in the order given), the reply's header and tensors by name. A reply
     /// the server gives as an error is thrown as a GemmaANEError of its kind.
-    public func call(_ header: [String: Any], _ tensors: [(String, Tensor)] = []) throws -> ([String: JSONValue], [String: Tensor]) {
+    public func call(_ header: [String: Any], _ tensors: [(String, Tensor)] = []) throws -> ([String: BundleJSON], [String: Tensor]) {
         lock.lock()
         defer { lock.unlock() }
         var header = header
@@ -90,7 +90,7 @@ public final class PipeClient: @unchecked Sendable {
 
     private static func exchange(
         _ input: FileHandle, _ output: FileHandle, _ process: Process, _ header: [String: Any], _ tensors: [(String, Tensor)]
-    ) throws -> ([String: JSONValue], [String: Tensor]) {
+    ) throws -> ([String: BundleJSON], [String: Tensor]) {
         var header = header
         if !tensors.isEmpty {
             header["tensors"] = tensors.map { ["name": $0.0, "shape": $0.1.shape, "dtype": $0.1.dtype.rawValue] }
@@ -107,7 +107,7 @@ public final class PipeClient: @unchecked Sendable {
         }
         let size = try read(output, 4, process).withUnsafeBytes { Int(UInt32(littleEndian: $0.loadUnaligned(as: UInt32.self))) }
         guard size <= maxHeader else { throw GemmaANEError(.device, "gemma_ane.mil.serve: a reply header of \(size) bytes") }
-        guard let reply = (try? JSONDecoder().decode(JSONValue.self, from: read(output, size, process)))?.object else {
+        guard let reply = (try? JSONDecoder().decode(BundleJSON.self, from: read(output, size, process)))?.object else {
             throw GemmaANEError(.device, "gemma_ane.mil.serve: a reply header that is no JSON object")
         }
         var out: [String: Tensor] = [:]
@@ -148,8 +148,8 @@ public final class PipeClient: @unchecked Sendable {
         return GemmaANEError(.device, "gemma_ane.mil.serve: the Python executor exited (status \(process.terminationStatus); its stderr says why)")
     }
 
-    private static func parseChunks(_ value: JSONValue?) throws -> [Chunk] {
-        func specs(_ v: JSONValue?) throws -> [TensorSpec] {
+    private static func parseChunks(_ value: BundleJSON?) throws -> [Chunk] {
+        func specs(_ v: BundleJSON?) throws -> [TensorSpec] {
             try (v?.array ?? []).map { s in
                 guard let name = s.object?["name"]?.string, let dtype = s.object?["dtype"]?.string.flatMap(Tensor.DType.init),
                     let shape = s.object?["shape"]?.array?.compactMap(\.int)

@@ -2,14 +2,14 @@ import Foundation
 
 /// A JSON value as a bundle's files hold it, with integers kept apart from floats and booleans
 /// (the Python schema's `_integer` refuses `true` and `1.5` where it wants an integer).
-public indirect enum JSONValue: Decodable, Equatable, Sendable {
+public indirect enum BundleJSON: Decodable, Equatable, Sendable {
     case null
     case bool(Bool)
     case int(Int)
     case double(Double)
     case string(String)
-    case array([JSONValue])
-    case object([String: JSONValue])
+    case array([BundleJSON])
+    case object([String: BundleJSON])
 
     public init(from decoder: Decoder) throws {
         let c = try decoder.singleValueContainer()
@@ -23,10 +23,10 @@ public indirect enum JSONValue: Decodable, Equatable, Sendable {
             self = .double(d)
         } else if let s = try? c.decode(String.self) {
             self = .string(s)
-        } else if let a = try? c.decode([JSONValue].self) {
+        } else if let a = try? c.decode([BundleJSON].self) {
             self = .array(a)
         } else {
-            self = .object(try c.decode([String: JSONValue].self))
+            self = .object(try c.decode([String: BundleJSON].self))
         }
     }
 
@@ -41,8 +41,8 @@ public indirect enum JSONValue: Decodable, Equatable, Sendable {
         }
     }
     public var string: String? { if case .string(let s) = self { return s } else { return nil } }
-    public var array: [JSONValue]? { if case .array(let a) = self { return a } else { return nil } }
-    public var object: [String: JSONValue]? { if case .object(let o) = self { return o } else { return nil } }
+    public var array: [BundleJSON]? { if case .array(let a) = self { return a } else { return nil } }
+    public var object: [String: BundleJSON]? { if case .object(let o) = self { return o } else { return nil } }
 
     /// Foundation's form of the value (Int, Double, Bool, String, NSNull, arrays, dictionaries), for
     /// readers that take `[String: Any]`.
@@ -82,11 +82,11 @@ let maxJSONBytes = 64 << 20
 
 /// A bundle's JSON object at `url`: a missing, oversized, unparsable or non-object file is one `.bundle` error
 /// naming the file.
-func readJSONObject(_ url: URL) throws -> [String: JSONValue] {
+func readJSONObject(_ url: URL) throws -> [String: BundleJSON] {
     let data = try readBoundedFile(url, limit: maxJSONBytes)
-    let value: JSONValue
+    let value: BundleJSON
     do {
-        value = try JSONDecoder().decode(JSONValue.self, from: data)
+        value = try JSONDecoder().decode(BundleJSON.self, from: data)
     } catch {
         throw GemmaANEError(.bundle, "\(url.path): not valid JSON")
     }
