@@ -125,44 +125,45 @@ import Testing
         #expect(missing.kind == .input && missing.message.contains("prefill_b99"))
     }
 
+    /// Greedy tokens after `prompt` through an engine over `runners`: the argmax of the logits, or the argmax
+    /// head's own token.
+    static func greedy(_ model: ModelBundle, _ runners: [ChunkRunner], count: Int = 12) throws -> [Int] {
+        let prompt = [2, 105, 2364, 107, 40, 17, 300, 9, 81, 12, 106, 107, 105, 4368, 107].map {
+            $0 % model.config.vocabSize
+        }
+        let engine = try Engine(bundle: model, runners: runners)
+        var out = try engine.prompt(prompt).logits
+        var tokens: [Int] = []
+        for _ in 0..<count {
+            let row = engine.head == "logits" ? Array(out.floats.suffix(model.config.vocabSize)) : []
+            let next = engine.head == "logits"
+                ? row.indices.max { row[$0] < row[$1] || (row[$0] == row[$1] && $0 > $1) } ?? 0
+                : Int(out.floats.first ?? -1)
+            tokens.append(next)
+            out = try #require(try engine.feed([next]))
+        }
+        return tokens
+    }
+
     @Test func coreMLGreedyTokensEqualThePipeRunners() async throws {
         let model = try ModelBundle(try Self.bundle())
-        let prompt = [2, 105, 2364, 107, 40, 17, 300, 9, 81, 12, 106, 107, 105, 4368, 107].map { $0 % model.config.vocabSize }
-        func greedy(_ runners: [ChunkRunner]) throws -> [Int] {
-            let engine = try Engine(bundle: model, runners: runners)
-            var logits = try engine.prompt(prompt).logits
-            var tokens: [Int] = []
-            for _ in 0..<12 {
-                let row = Array(logits.floats.suffix(model.config.vocabSize))
-                let next = row.indices.max { row[$0] < row[$1] || (row[$0] == row[$1] && $0 > $1) } ?? 0
-                tokens.append(next)
-                logits = try #require(try engine.feed([next]))
-            }
-            return tokens
-        }
-        let theirs = try greedy(Self.pipeRunners())
-        let mine = try greedy(await Self.coreMLRunners())
+        let theirs = try Self.greedy(model, Self.pipeRunners())
+        let mine = try Self.greedy(model, await Self.coreMLRunners())
         #expect(mine == theirs)
         #expect(Set(theirs).count > 1, "a varied continuation, not one token repeated")
     }
 
     @Test func coreMLArgmaxHeadRunsGreedyOnlyAndSaysSo() async throws {
-        let runners = try await Self.coreMLRunners("published")
-        let last = try #require(runners.last)
-        #expect(ArgmaxHead.returnsTokenID(last))
-        #expect(!ArgmaxHead.returnsTokenID(try await Self.coreMLRunners()[2]))
-        try ArgmaxHead.check(last: last, temperature: 0, topK: 0, hasLogitBias: false)
-        try ArgmaxHead.check(last: last, temperature: 1, topK: 1, hasLogitBias: false)
-        let error = try #require(throws: GemmaANEError.self) {
-            try ArgmaxHead.check(last: last, temperature: 0.7, topK: 0, hasLogitBias: false)
-        }
-        #expect(error.kind == .input && error.message.contains("argmax") && error.message.contains("temperature 0"))
-        #expect(throws: GemmaANEError.self) {
-            try ArgmaxHead.check(last: last, temperature: 0, topK: 0, hasLogitBias: true)
-        }
-        let io = try #require(last.interfaces["infer"])
-        let out = try last.predict("infer", inputs: Self.inputs(io), state: try last.makeState())
-        #expect(out["token_id"]?.dtype == .int32)
+        let cache = FileManager.default.temporaryDirectory.appendingPathComponent("coreml-published-\(UUID())")
+        let model = try await GemmaModel.load(try Self.bundle("published"), cacheDirectory: cache)
+        #expect(model.engine.head == "token_id")
+        #expect(try model.sampling(SamplingOptions(temperature: 0)).isGreedy)
+        let error = try #require(throws: GemmaANEError.self) { try model.sampling(SamplingOptions(temperature: 0.7)) }
+        #expect(error.kind == .input && error.message.contains("argmax"))
+        #expect(throws: GemmaANEError.self) { try model.sampling(SamplingOptions(temperature: 0, logitBias: [3: 1])) }
+        let bundle = try ModelBundle(try Self.bundle("published"))
+        let theirs = try Self.greedy(bundle, Self.pipeRunners("published"))
+        #expect(try Self.greedy(bundle, model.engine.runners) == theirs)
     }
 
     #if !canImport(CoreML)
