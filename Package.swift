@@ -31,7 +31,10 @@ let package = Package(
         ),
         .executableTarget(
             name: "gemma-ane-swift",
-            dependencies: ["GemmaANE", "GemmaANECoreML"],
+            dependencies: [
+                "GemmaANE", "GemmaANECoreML",
+                .target(name: "CoreMLStandIn", condition: .when(platforms: [.linux])),
+            ],
             path: "swift/Sources/gemma-ane-swift"
         ),
         .testTarget(

@@ -1,5 +1,12 @@
 import Foundation
 import GemmaANE
+import GemmaANECoreML
+
+#if canImport(CoreML)
+import CoreML
+#else
+import CoreMLStandIn
+#endif
 
 #if canImport(Glibc)
 import Glibc
@@ -12,7 +19,9 @@ let usage = """
     usage: gemma-ane-swift generate BUNDLE --prompt TEXT [--system TEXT] [--think] [--raw] [--max-tokens N]
                                   [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R]
                                   [--presence-penalty P] [--frequency-penalty P] [--seed S] [--json] [--python PATH]
+                                  [--backend auto|coreml|mil] [--compute-units cpu_and_ne|cpu_only|cpu_and_gpu|all]
            gemma-ane-swift chat BUNDLE [--system TEXT] [--think] [--max-tokens N] [sampling options] [--python PATH]
+                                  [--backend ...] [--compute-units ...]
     """
 
 struct Arguments {
@@ -23,6 +32,10 @@ struct Arguments {
     var sampling: [String: String] = [:]
     var json = false
     var python = ProcessInfo.processInfo.environment["GEMMA_ANE_PYTHON"] ?? "python3"
+    /// auto: Core ML where it exists, the MIL executor elsewhere. coreml on Linux runs the Core ML runner through
+    /// its stand-in (the same executor underneath), which proves the runner's glue, not Core ML.
+    var backend = "auto"
+    var computeUnits = "cpu_and_ne"
 
     static let samplingFlags = [
         "--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty",
@@ -47,6 +60,12 @@ struct Arguments {
             case "--raw": options.raw = true
             case "--json": json = true
             case "--python": python = try value(arg)
+            case "--backend":
+                backend = try value(arg)
+                guard ["auto", "coreml", "mil"].contains(backend) else {
+                    throw GemmaANEError(.input, "--backend \(backend): choose auto, coreml or mil")
+                }
+            case "--compute-units": computeUnits = try value(arg)
             case "--max-tokens":
                 let v = try value(arg)
                 guard let n = Int(v), n >= 0 else { throw GemmaANEError(.input, "--max-tokens \(v): expected a non-negative integer") }
@@ -107,10 +126,22 @@ func write(_ text: String) {
     FileHandle.standardOutput.write(Data(text.utf8))
 }
 
-func run() throws {
+func run() async throws {
     let args = try Arguments(Array(CommandLine.arguments.dropFirst()))
-    let model = try GemmaModel.load(URL(fileURLWithPath: args.bundle), python: args.python) { warning in
-        FileHandle.standardError.write(Data("warning: \(warning)\n".utf8))
+    let warn = { (warning: String) in FileHandle.standardError.write(Data("warning: \(warning)\n".utf8)) }
+    let url = URL(fileURLWithPath: args.bundle)
+    let units = try MLComputeUnits(named: args.computeUnits)
+    let model: GemmaModel
+    #if canImport(CoreML)
+        let coreML = args.backend != "mil"
+    #else
+        let coreML = args.backend == "coreml"
+        StandInDevice.shared.python = args.python
+    #endif
+    if coreML {
+        model = try await GemmaModel.load(url, computeUnits: units, warn: warn)
+    } else {
+        model = try GemmaModel.load(url, python: args.python, warn: warn)
     }
     let sampling = try model.sampling(try args.samplingOptions(over: try model.defaultSampling()))
     switch args.command {
@@ -214,7 +245,7 @@ func chat(_ session: ChatSession) throws {
 
 signal(SIGPIPE, SIG_IGN)
 do {
-    try run()
+    try await run()
 } catch let e as GemmaANEError {
     fail(e.message)
 } catch {
