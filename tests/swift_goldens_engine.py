@@ -2,8 +2,8 @@
 Python package itself: `python tests/swift_goldens_engine.py OUTDIR`. The Swift tests run this at their start and
 compare against what it writes; nothing here is committed output.
 
-OUTDIR/host/: the host half of a bundle (model_config.json, the int8 tables and their scales, RoPE tables) with
-random rows, shapes unlike any real model's. OUTDIR/engine.json:
+OUTDIR/host/: the host half of a bundle (model_config.json, the int8 tables and their scales, RoPE tables, the test
+tokenizer with Gemma 4's control token ids) with random rows, shapes unlike any real model's. OUTDIR/engine.json:
 - "embed": host rows as `tables.load_host(...).embed` reads them (float32), "rope": RoPE rows, "masks": the three
   masks of CONTRACT §3 over a range of positions, batch sizes, windows and rings;
 - "configs": model_config.json variants and the one-line error `schema.read_model_config` gives for each (or null);
@@ -30,9 +30,10 @@ from gemma_ane.bundle.errors import BundleError
 from gemma_ane.bundle.host import full_mask, kv_sliding_mask, quantize_rows, sliding_mask
 from gemma_ane.bundle.schema import read_model_config
 from gemma_ane.bundle.tables import load_host, save_npy
+from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
 from gemma_ane.runtime.engine import Engine
 
-V, H, LAYERS, P, ROWS = 40, 12, 3, 4, 96  # vocabulary, hidden, layers, per-layer width, RoPE rows
+V, H, LAYERS, P, ROWS = MIN_VOCAB_SIZE, 12, 3, 4, 96  # vocabulary (the test tokenizer's least), hidden, ...
 D_SLIDING, D_FULL = 8, 16
 
 CONFIG = {
@@ -64,7 +65,7 @@ CONFIG_CASES = [
     ({"embed_scale": 0}, None),
     ({"embed_scale": 1e39}, None),
     ({"per_layer_embed_scale": "16"}, None),
-    ({"eos_token_id": 40}, None),
+    ({"eos_token_id": V}, None),
     ({"bos_token_id": -2}, None),
     ({"layer_types": ["sliding_attention"]}, None),
     ({"layer_types": "full"}, None),
@@ -208,6 +209,8 @@ def write_host(root: Path) -> None:
         q, s = quantize_rows(w)
         q.tofile(root / q8)
         s.astype("<f2").tofile(root / scales)
+    (root / "hf_model").mkdir(exist_ok=True)
+    build_tokenizer(V).save(str(root / layout.HF_TOKENIZER))
     for short, d in (("sliding", D_SLIDING), ("full", D_FULL)):
         for kind in ("cos", "sin"):
             save_npy(root / f"{kind}_{short}.npy", rng.uniform(-1, 1, size=(ROWS, d)).astype(np.float16))
@@ -269,7 +272,7 @@ def main(outdir: str) -> None:
     write_host(root)
     config = read_model_config(root)
     host = load_host(root, config)
-    ids = [0, 1, 3, 39, 17, 17, 5]
+    ids = [0, 1, 3, V - 1, 17, 17, 5]
     h, ple = host.embed(np.array(ids))
     goldens = {
         "embed": {"ids": ids, "hidden": floats(h), "ple": floats(ple)},

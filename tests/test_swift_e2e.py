@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SWIFT = shutil.which("swift") or next((p for p in ["/opt/swift/usr/bin/swift"] if Path(p).is_file()), None)
 ASK = "What is the capital of France?"
-DEMO_RAW = f"<|turn>user\n{ASK}<turn|>\n<|turn>model\n"  # the chat format's rendering, written by hand
+PROMPT = "the cat sat on the mat and"
 
 pytestmark = pytest.mark.skipif(SWIFT is None, reason="no Swift toolchain (swift) on PATH or in /opt/swift")
 
@@ -81,29 +82,62 @@ def four_chunks(tiny_e2b, tmp_path_factory) -> Path:
 
 
 def test_the_demo_bundle_answers_paris(swift_exe, demo_bundle16):
-    result = same_tokens(swift_exe, demo_bundle16, "--prompt", DEMO_RAW, "--raw", "--temperature", "0")
-    assert result["text"] == "Paris."
+    assert same_tokens(swift_exe, demo_bundle16, "--prompt", ASK, "--temperature", "0")["text"] == "Paris."
+
+
+def test_the_demo_bundle_thinks_then_answers(swift_exe, demo_bundle16):
+    """Thinking on, a system turn: the thought channel comes back as reasoning, the answer as text."""
+    args = ("--prompt", ASK, "--think", "--system", "Answer in one word.", "--temperature", "0")
+    ours, theirs = swift_generate(swift_exe, demo_bundle16, *args), python_generate(demo_bundle16, *args)
+    assert ours["tokens"] == theirs["tokens"] and ours["text"] == theirs["text"]
+    assert ours["reasoning"] == theirs["reasoning"] != ""
+
+
+def test_a_second_turn_reuses_the_first(swift_exe, demo_bundle16):
+    """`chat`: the second turn's answer is Python's, and only its new tokens are processed (as many reused as the
+    Python runtime reuses for the same conversation)."""
+    from gemma_ane import load
+
+    turns = f"{ASK}\nAnd of Germany?\n"
+    run = subprocess.run(
+        [str(swift_exe), "chat", str(demo_bundle16), "--temperature", "0"],
+        input=turns,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    model = load(demo_bundle16, backend="mil")
+    first = model.generate(ASK, temperature=0)
+    convo = [{"role": "user", "content": ASK}, {"role": "assistant", "content": first.text}]
+    second = model.generate(messages=[*convo, {"role": "user", "content": "And of Germany?"}], temperature=0)
+    assert run.stdout.splitlines() == [first.text, second.text]
+    reused = [line.split("(")[1].split(" reused")[0] for line in run.stderr.splitlines() if " reused)" in line]
+    assert reused == ["0", str(second.reused_tokens)] and second.reused_tokens > 0
 
 
 @pytest.mark.slow  # four_chunks converts
 def test_a_four_chunk_bundle(swift_exe, four_chunks):
     assert len(list(four_chunks.glob("chunk_*.mlpackage"))) == 4
-    same_tokens(swift_exe, four_chunks, "--prompt", "the cat sat on the mat and", "--raw", "--max-tokens", "24")
+    same_tokens(swift_exe, four_chunks, "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0")
 
 
 def test_e4b_mini(swift_exe, e4b_bundle16):
-    same_tokens(swift_exe, e4b_bundle16, "--prompt", "the cat sat on the mat and", "--raw", "--max-tokens", "24")
+    same_tokens(swift_exe, e4b_bundle16, "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0")
 
 
 def test_a_prompt_past_the_sliding_window(swift_exe, tiny_bundle16):
     """e2b-mini's window is 16: a prompt of ~60 tokens wraps its rings several times, batched and single steps."""
     prompt = " ".join(f"word{i}" for i in range(20))
-    result = same_tokens(swift_exe, tiny_bundle16, "--prompt", prompt, "--raw", "--max-tokens", "40")
+    result = same_tokens(
+        swift_exe, tiny_bundle16, "--prompt", prompt, "--raw", "--max-tokens", "40", "--temperature", "0"
+    )
     assert result["prompt_tokens"] > 3 * 16
 
 
 def test_seeded_sampling_at_temperature_1_with_top_p(swift_exe, tiny_bundle16):
-    args = ("--prompt", "the cat sat", "--raw", "--max-tokens", "32", "--temperature", "1", "--top-p", "0.9")
+    args = ("--prompt", PROMPT, "--max-tokens", "32", "--temperature", "1", "--top-p", "0.9")
     first = same_tokens(swift_exe, tiny_bundle16, *args, "--seed", "7")
     second = same_tokens(swift_exe, tiny_bundle16, *args, "--seed", "8")
     assert first["tokens"] != second["tokens"]  # the seed reaches the draws
@@ -130,3 +164,42 @@ def test_bad_input_is_one_line(swift_exe, tmp_path, tiny_bundle16):
         )
         assert run.returncode == 2 and needle in run.stderr, run.stderr
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def _frame(header: dict, payload: bytes = b"") -> bytes:
+    body = json.dumps(header).encode()
+    return struct.pack("<I", len(body)) + body + payload
+
+
+def test_the_pipe_server_answers_errors_and_stops_on_bad_frames(tiny_bundle16):
+    """gemma_ane.mil.serve: a request it cannot honour is an error reply and the server goes on; a frame it cannot
+    read (a header past its bound, a tensor the function does not declare) ends it with one line and exit 1.
+    Runs without Swift."""
+    from gemma_ane.mil.serve import MAX_HEADER
+
+    def serve(data: bytes) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "gemma_ane.mil.serve", str(tiny_bundle16)],
+            input=data,
+            capture_output=True,
+            env=_env(),
+            timeout=600,
+        )
+
+    run = serve(_frame({"op": "load", "chunk": "chunk_9", "function": "infer"}) + _frame({"op": "hello"}))
+    assert run.returncode == 0, run.stderr
+    (size,) = struct.unpack("<I", run.stdout[:4])
+    first = json.loads(run.stdout[4 : 4 + size])
+    assert first == {"error": "no chunk 'chunk_9' (has chunk_1, chunk_2, chunk_3)", "kind": "bundle"}
+    hello = json.loads(run.stdout[8 + size :])
+    assert [c["name"] for c in hello["chunks"]] == ["chunk_1", "chunk_2", "chunk_3"]
+    assert hello["chunks"][0]["functions"][0] == "infer"
+    bad = [
+        (struct.pack("<I", MAX_HEADER + 1), f"a header of {MAX_HEADER + 1} bytes"),
+        (_frame({"op": "predict", "chunk": "chunk_1", "function": "infer", "tensors": [{"name": "x"}]}), "tensor 'x'"),
+        (_frame({"op": "hello"})[:6], "the stream ended inside a frame"),
+    ]
+    for data, needle in bad:
+        run = serve(data)
+        err = run.stderr.decode().strip().splitlines()
+        assert run.returncode == 1 and len(err) == 1 and needle in err[0], run.stderr

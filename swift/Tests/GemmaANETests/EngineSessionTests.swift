@@ -99,8 +99,15 @@ final class StubRunner: ChunkRunner {
     }
 }
 
-/// A bundle over the goldens' host tables with the given window; its chunks are stubs.
+/// An engine over a stub bundle (stubBundle).
 func stubEngine(_ g: [BundleJSON], refuse: Set<String> = [], warnings: @escaping (String) -> Void = { _ in }) throws -> (Engine, [StubRunner]) {
+    let (bundle, runners) = try stubBundle(g, refuse: refuse)
+    return (try Engine(bundle: bundle, runners: runners, warn: warnings), runners)
+}
+
+/// A bundle over the goldens' host tables and tokenizer with the given geometry
+/// ([context, window, ring, prefill batch, [kv batches], verify batch]); its chunks are stubs.
+func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBundle, [StubRunner]) {
     let root = try EngineGoldens.dir().appendingPathComponent("host")
     let bundleURL = FileManager.default.temporaryDirectory.appendingPathComponent("gemma-ane-stub-\(UUID().uuidString)")
     try FileManager.default.copyItem(at: root, to: bundleURL)
@@ -120,7 +127,7 @@ func stubEngine(_ g: [BundleJSON], refuse: Set<String> = [], warnings: @escaping
         StubRunner(name: "chunk_2", stateful: false, context: context, ring: ring, batch: g[3].int, kv: kv, verify: verify, hidden: h, ple: ple, vocab: bundle.config.vocabSize),
     ]
     runners[0].refuses = refuse
-    return (try Engine(bundle: bundle, runners: runners, warn: warnings), runners)
+    return (bundle, runners)
 }
 
 @Test func sessionsReuseAsPythonDoes() throws {

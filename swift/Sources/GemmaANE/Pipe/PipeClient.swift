@@ -142,6 +142,8 @@ public final class PipeClient: @unchecked Sendable {
     }
 
     private static func died(_ process: Process) -> GemmaANEError {
+        // its stdout closed: give it a moment to exit, so the message can say how
+        for _ in 0..<50 where process.isRunning { Thread.sleep(forTimeInterval: 0.1) }
         if process.isRunning {
             return GemmaANEError(.device, "gemma_ane.mil.serve: the Python executor stopped answering")
         }
