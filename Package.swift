@@ -34,6 +34,8 @@ let package = Package(
             dependencies: ["GemmaANE", "GemmaANECoreML"],
             path: "swift/Sources/gemma-ane-swift"
         ),
+        // The host-work benchmark bench/swift_host.py builds in release and times (sampling, tokenizer load).
+        .executableTarget(name: "gemma-ane-bench", dependencies: ["GemmaANE"], path: "swift/Sources/gemma-ane-bench"),
         .testTarget(
             name: "GemmaANETests",
             dependencies: ["GemmaANE", "GemmaANECoreML"],
