@@ -37,6 +37,8 @@ let package = Package(
             ],
             path: "swift/Sources/gemma-ane-swift"
         ),
+        // The host-work benchmark bench/swift_host.py builds in release and times (sampling, tokenizer load).
+        .executableTarget(name: "gemma-ane-bench", dependencies: ["GemmaANE"], path: "swift/Sources/gemma-ane-bench"),
         .testTarget(
             name: "GemmaANETests",
             dependencies: [

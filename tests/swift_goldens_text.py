@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from gemma_ane.oracle.tokenizer_files import _CORPUS, _merge, build_tokenizer
 from gemma_ane.runtime.chat import ChatTemplate, Detokenizer, OutputParser, escape_content, escape_strings, unused_mark
-from gemma_ane.runtime.sampling import Sampler, SamplingParams
+from gemma_ane.runtime.sampling import Sampler, SamplingError, SamplingParams
 from gemma_ane.runtime.tokens import SPECIAL_TOKENS, ControlTokens
 from gemma_ane.runtime.tools import check_tools, prepare_messages
 
@@ -95,6 +95,39 @@ def _pcg(seed: int) -> dict:
     return {"seed": str(seed), "raw": [str(int(v)) for v in raw], "doubles": [str(v) for v in doubles]}
 
 
+# parameters SamplingParams.validate refuses (with the vocabulary size it is given), and its messages
+BAD_PARAMS = [
+    ({"temperature": -1.0}, None),
+    ({"temperature": float("nan")}, None),
+    ({"temperature": float("inf")}, None),
+    ({"top_k": -1}, None),
+    ({"top_p": 0.0}, None),
+    ({"top_p": 1.5}, None),
+    ({"min_p": 1.0000001}, None),
+    ({"repetition_penalty": 0.0}, None),
+    ({"presence_penalty": 2.5}, None),
+    ({"frequency_penalty": -3e-05 - 2}, None),
+    ({"logit_bias": {5: 101.0}}, 300),
+    ({"logit_bias": {600: 1.0}}, 300),
+    ({"logit_bias": {-1: 1.0}}, 300),
+    ({"logit_bias": {0: -100.0, 1: -100.0}}, 2),
+]
+
+
+def _errors() -> list[dict]:
+    out = []
+    for params, vocab in BAD_PARAMS:
+        try:
+            SamplingParams(**params).validate(vocab)
+        except SamplingError as e:
+            bias = {str(k): v for k, v in params.pop("logit_bias", {}).items()}
+            shown = {k: repr(v) for k, v in params.items()}  # nan and inf survive JSON as text
+            out.append({"params": shown, "logit_bias": bias, "vocab": vocab, "message": str(e)})
+        else:
+            raise AssertionError(f"{params} was not refused")
+    return out
+
+
 def write_sampling(out: Path) -> None:
     cases = []
     for i, (name, vocab, params, steps, history, bans) in enumerate(SAMPLER_CASES):
@@ -115,7 +148,7 @@ def write_sampling(out: Path) -> None:
                 {"name": name, "vocab": vocab, "steps": steps, "params": fields, "logit_bias": bias,
                  "seed": str(seed), "history": history, "bans": bans, "logits": file, "tokens": tokens}
             )  # fmt: skip
-    doc = {"pcg": [_pcg(s) for s in SEEDS], "cases": cases}
+    doc = {"pcg": [_pcg(s) for s in SEEDS], "cases": cases, "errors": _errors()}
     (out / "sampling.json").write_text(json.dumps(doc, indent=1))
 
 

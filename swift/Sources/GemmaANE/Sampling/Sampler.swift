@@ -37,9 +37,9 @@ public struct Sampler: Sendable {
         for token in history { counts[token, default: 0] += 1 }
     }
 
-    /// make_sampler's chain: only the steps that change the distribution; greedy is top-k 1 alone.
+    /// make_sampler's chain: only the steps that change the distribution.
     private static func chain(_ p: SamplingOptions) -> [Step] {
-        if p.isGreedy { return [.topK(1)] }
+        if p.isGreedy { return [] }  // greedy is the argmax alone (top-k 1), taken in draw
         var out: [Step] = p.temperature != 1.0 ? [.temperature(p.temperature)] : []
         if p.topK > 0 { out.append(.topK(p.topK)) }
         if p.topP < 1.0 { out.append(.topP(p.topP)) }
@@ -62,6 +62,9 @@ public struct Sampler: Sendable {
         if let top = fixedMax, top >= vocabulary {
             throw GemmaANEError(.input, "logit_bias: token \(top) is not in the vocabulary of \(vocabulary)")
         }
+        let penalised = !counts.isEmpty
+            && (options.repetitionPenalty != 1.0 || options.presencePenalty != 0 || options.frequencyPenalty != 0)
+        guard penalised || !bias.isEmpty || !bans.isEmpty else { return draw(logits) }
         // One copy of the row (a megabyte at 262,144 tokens, cheaper than any conversion) that the processors
         // then change at the few tokens they touch.
         if row.count != vocabulary { row = [Float](repeating: 0, count: vocabulary) }
@@ -92,6 +95,7 @@ public struct Sampler: Sendable {
 
     /// The sampler chain over the adjusted row, then the draw (none when greedy).
     private mutating func draw(_ x: UnsafeBufferPointer<Float>) -> Int {
+        if options.isGreedy { return Self.argmax(x) }
         var t: Float = 1
         var cut: Candidates?  // nil: the whole vocabulary, by id
         for step in steps {
@@ -106,7 +110,6 @@ public struct Sampler: Sendable {
                     let ids = NumpyMath.topIndices(x, k)
                     cut = Candidates(x: ids.map { x[$0] }, ids: ids, t: t)
                 }
-                if options.isGreedy { return cut!.ids[0] }
             case .topP(let topP):
                 var c = cut ?? head(x, t) { NumpyMath.sum($0) >= topP }
                 let end = NumpyMath.searchsortedLeft(NumpyMath.cumsum(c.probabilities()), topP) + 1
@@ -127,6 +130,13 @@ public struct Sampler: Sendable {
         let p = c.probabilities()
         let total = NumpyMath.sum(p)
         return c.ids[pick(p.map { $0 / total })]
+    }
+
+    /// The first index of the largest value (top-k 1: ties by lower id).
+    static func argmax(_ x: UnsafeBufferPointer<Float>) -> Int {
+        var best = 0
+        for i in 1..<max(x.count, 1) where x[i] > x[best] { best = i }
+        return best
     }
 
     /// Candidates.head: the most likely tokens, as many as `enough` (shown their probabilities under the whole

@@ -48,21 +48,17 @@ public struct SamplingOptions: Sendable, Equatable {
         if isJSONFalse(config["do_sample"]) {
             temperature = 0
         }
-        func number(_ name: String) throws -> Double? {
+        func number(_ name: String, integer: Bool = false) throws -> Double? {
             guard let value = config[name], !(value is NSNull) else { return nil }
-            guard let number = jsonNumber(value), number.isFinite else {
-                throw GemmaANEError(.bundle, "\(file): \(name)=\(value): expected a number")
+            guard let number = jsonNumber(value), number.isFinite, !integer || number == number.rounded() else {
+                let shown = (value as? NSNumber).map { isBoolean($0) ? ($0.boolValue ? "True" : "False") : "\($0)" } ?? "\(value)"
+                throw GemmaANEError(.bundle, "\(file): \(name)=\(shown): expected \(integer ? "an integer" : "a number")")
             }
             return number
         }
         do {
             if let t = try number("temperature") { temperature = t }
-            if let k = try number("top_k") {
-                guard k == k.rounded(), abs(k) < 9.2e18 else {
-                    throw GemmaANEError(.bundle, "\(file): top_k=\(k): expected an integer")
-                }
-                topK = Int(k)
-            }
+            if let k = try number("top_k", integer: true) { topK = Int(max(-1, min(k, 1e15))) }
             if let p = try number("top_p") { topP = p }
             if let p = try number("min_p") { minP = p }
             if let r = try number("repetition_penalty") { repetitionPenalty = r }
@@ -89,7 +85,7 @@ public struct SamplingOptions: Sendable, Equatable {
                 throw fail("logit_bias: token \(token) is not in the vocabulary\(of)")
             }
             if !(-100...100).contains(bias) {
-                throw fail("logit_bias: '\(token)': \(bias): expected a number in [-100, 100]")
+                throw fail("logit_bias: \(token): \(pythonRepr(bias)): expected a number in [-100, 100]")
             }
         }
         if let size = vocabularySize, logitBias.values.filter({ $0 == Self.ban }).count >= size {
@@ -104,9 +100,10 @@ public struct SamplingOptions: Sendable, Equatable {
     public var isGreedy: Bool { temperature == 0 || topK == 1 }
 
     private func check(_ name: String, _ value: Double, lo: Double, hi: Double? = nil, loOpen: Bool = false) throws {
-        guard value.isFinite else { throw fail("\(name)=\(value): expected a number") }
-        if loOpen ? value <= lo : value < lo { throw fail("\(name)=\(value): must be \(loOpen ? ">" : ">=") \(lo)") }
-        if let hi, value > hi { throw fail("\(name)=\(value): must be <= \(hi)") }
+        let shown = pythonRepr(value)  // as Python's repr, so the messages are the Python runtime's
+        guard value.isFinite else { throw fail("\(name)=\(shown): expected a number") }
+        if loOpen ? value <= lo : value < lo { throw fail("\(name)=\(shown): must be \(loOpen ? ">" : ">=") \(pythonRepr(lo))") }
+        if let hi, value > hi { throw fail("\(name)=\(shown): must be <= \(pythonRepr(hi))") }
     }
 
     private func fail(_ message: String) -> GemmaANEError { GemmaANEError(.input, message) }
