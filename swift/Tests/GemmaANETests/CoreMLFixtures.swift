@@ -44,6 +44,7 @@ enum CoreMLFixtures {
             "gemma-ane-swift-coreml-\(try sourcesFingerprint())")
         if FileManager.default.fileExists(atPath: target.appendingPathComponent("published").path) { return target }
         let staging = URL(fileURLWithPath: target.path + ".\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: staging, withIntermediateDirectories: true)
         let ckpt = staging.appendingPathComponent("ckpt").path
         try run(["tiny", ckpt, "--preset", "e2b-mini"])
         let common = ["--bits", "16", "--context", "128", "--no-vision", "--quiet"]
