@@ -179,7 +179,12 @@ def test_the_pipe_server_answers_errors_and_stops_on_bad_frames(tiny_bundle16):
 
     def serve(data: bytes) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "gemma_ane.mil.serve", str(tiny_bundle16)],
+            [
+                sys.executable,
+                "-m",
+                "gemma_ane.mil.serve",
+                *(str(tiny_bundle16 / f"chunk_{i}.mlpackage") for i in (1, 2, 3)),
+            ],
             input=data,
             capture_output=True,
             env=_env(),
