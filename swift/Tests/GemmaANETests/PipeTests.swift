@@ -13,6 +13,14 @@ import Testing
     }
 }
 
+@Test func pipeBundleWithoutChunksIsOneError() throws {
+    let empty = FileManager.default.temporaryDirectory.appendingPathComponent("empty-\(UUID().uuidString)")
+    try FileManager.default.createDirectory(at: empty, withIntermediateDirectories: true)
+    #expect(throws: GemmaANEError(.bundle, "\(empty.path): no chunk_1.mlpackage or chunk_1.mlmodelc")) {
+        _ = try PipeRunner.open(bundle: empty, python: "python3")
+    }
+}
+
 @Test func pipeInterpreterNotFoundIsOneError() throws {
     #expect(throws: GemmaANEError(.input, "no-such-python-3.11: not found on PATH (set --python or GEMMA_ANE_PYTHON)")) {
         _ = try PipeClient(packages: [URL(fileURLWithPath: "/tmp")], python: "no-such-python-3.11")

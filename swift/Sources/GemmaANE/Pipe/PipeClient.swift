@@ -48,6 +48,11 @@ public final class PipeClient: @unchecked Sendable {
         chunks = try Self.parseChunks(reply["chunks"])
     }
 
+    /// The server for the chunks of the bundle directory `bundle` (chunk_1 ... as BundleLayout finds them).
+    public convenience init(bundle: URL, python: String) throws {
+        try self.init(packages: try BundleLayout.chunkPaths(bundle), python: python)
+    }
+
     deinit {
         try? input.close()
         process.waitUntilExit()
@@ -200,6 +205,12 @@ public final class PipeRunner: ChunkRunner {
         name = chunk.name
         functionNames = chunk.functionNames
         interfaces = chunk.interfaces
+    }
+
+    /// One runner per chunk of the bundle directory `bundle`, in order, all on one server.
+    public static func open(bundle: URL, python: String) throws -> [PipeRunner] {
+        let client = try PipeClient(bundle: bundle, python: python)
+        return client.chunks.map { PipeRunner(client: client, chunk: $0) }
     }
 
     /// One runner per chunk of `bundle`, in order, all on one server.
