@@ -1,5 +1,6 @@
-"""`python -m gemma_ane.mil.serve BUNDLE`: a bundle's chunks run by the MIL executor for another process (the Swift
-package's PipeRunner on Linux), over stdin and stdout.
+"""`python -m gemma_ane.mil.serve PACKAGE...`: a bundle's chunk packages (chunk_1.mlpackage ... in order) run by the
+MIL executor for another process (the Swift package's PipeRunner on Linux), over stdin and stdout. The client names
+the packages (it has read the bundle): this module stands on the saved programs alone, as the executor does.
 
 The protocol, one request and one reply at a time. A frame is a little-endian u32 byte count, that many bytes of a
 JSON object (the header), then the raw bytes of every tensor the header lists under "tensors" ({name, shape, dtype},
@@ -27,11 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bundle import layout
-from ..bundle.errors import BundleError
-from ..errors import GemmaAneError, InputError
-from ..runtime.backend import MILBackend, function_of
-from ..runtime.engine import FunctionUnavailable
+from ..errors import BundleError, GemmaAneError, InputError
+from .executor import MILPackage
 
 MAX_HEADER = 1 << 20  # a header lists names and shapes: a megabyte is far past any chunk's
 DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "int32": np.dtype("<i4")}
@@ -92,11 +90,30 @@ def _specs(io: dict) -> list[dict]:
     return [{"name": n, "shape": list(t["shape"]), "dtype": t["dtype"]} for n, t in io.items()]
 
 
+class Chunk:
+    """One package: its functions loaded together (one state serves them all), their interfaces, default first."""
+
+    def __init__(self, path: Path):
+        self.package = MILPackage(path)
+        self.name = Path(path).name.split(".")[0]
+        default = self.package.package.default_function
+        names = [default] + [f for f in self.package.functions if f != default]
+        self.interfaces = {f: self.package.functions[f].interface for f in names}
+
+    def function(self, name) -> dict:
+        if name not in self.interfaces:
+            raise BundleError(f"{self.name}: no function {str(name)[:40]!r} (has {', '.join(self.interfaces)})")
+        return self.interfaces[name]
+
+    def state_types(self) -> dict:
+        return next(iter(self.interfaces.values()))["states"]
+
+
 class Server:
     """The chunks of one bundle and the states handed out by id."""
 
-    def __init__(self, root: Path):
-        self.chunks = {layout.model_name(p): MILBackend(p) for p in layout.chunk_paths(root)}
+    def __init__(self, paths: list[Path]):
+        self.chunks = {c.name: c for c in map(Chunk, paths)}
         self.states: dict[int, tuple[str, object]] = {}
         self.next_state = 0
 
@@ -119,9 +136,9 @@ class Server:
         try:
             chunk = self.chunk(header)
             if header.get("op") == "predict":
-                io = function_of(chunk, header.get("function"))["inputs"]
+                io = chunk.function(header.get("function"))["inputs"]
             elif header.get("op") == "write_state":
-                io = {k: v for k, v in chunk.interfaces["infer"]["states"].items() if k == header.get("name")}
+                io = {k: v for k, v in chunk.state_types().items() if k == header.get("name")}
             else:
                 return {}
         except (BundleError, TypeError):
@@ -145,11 +162,11 @@ class Server:
             ]
             return {"ok": True, "chunks": chunks}, None
         chunk = self.chunk(header)
-        if op == "load":
-            chunk.load(header.get("function"))
+        if op == "load":  # the executor loaded every function with the package
+            chunk.function(header.get("function"))
             return {"ok": True}, None
         if op == "make_state":
-            state = chunk.make_state()
+            state = chunk.package.make_state()
             if state is None:
                 return {"ok": True, "state": None}, None
             self.next_state += 1
@@ -157,35 +174,33 @@ class Server:
             return {"ok": True, "state": self.next_state}, None
         if op == "predict":
             function = header.get("function")
-            io = function_of(chunk, function)
+            io = chunk.function(function)
             missing = [n for n in io["inputs"] if n not in tensors]
             if missing:
                 raise InputError(f"{chunk.name}.{function}: input {missing[0]!r} missing")
             outputs = io["outputs"]
-            out = chunk.predict(function, tensors, self.state(header, chunk))
+            out = chunk.package.functions[function].predict(tensors, state=self.state(header, chunk))
             return {"ok": True}, {n: np.asarray(out[n]).astype(t["dtype"], copy=False) for n, t in outputs.items()}
         if op in ("read_state", "write_state"):
             state, name = self.state(header, chunk), header.get("name")
-            declared = chunk.interfaces["infer"]["states"]
+            declared = chunk.state_types()
             if state is None or name not in declared:
                 raise BundleError(f"{chunk.name}: no state {str(name)[:40]!r}")
             if op == "read_state":
-                return {"ok": True}, {name: chunk.read_state(state, name).astype(declared[name]["dtype"])}
-            chunk.write_state(state, name, tensors[name])
+                return {"ok": True}, {name: state.arrays[name].astype(declared[name]["dtype"])}
+            state.arrays[name][...] = tensors[name]
             return {"ok": True}, None
         raise BundleError(f"op {str(op)[:40]!r}: expected hello, load, make_state, predict, read_state or write_state")
 
 
-def serve(root: Path, stdin, stdout) -> None:
-    server = Server(root)
+def serve(paths: list[Path], stdin, stdout) -> None:
+    server = Server(paths)
     while True:
         frame = read_frame(stdin, server.declared)
         if frame is None:
             return
         try:
             reply, tensors = server.handle(*frame)
-        except FunctionUnavailable as e:
-            reply, tensors = {"error": str(e), "kind": "functionUnavailable"}, None
         except BundleError as e:
             reply, tensors = {"error": str(e), "kind": "bundle"}, None
         except InputError as e:
@@ -197,13 +212,13 @@ def serve(root: Path, stdin, stdout) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m gemma_ane.mil.serve BUNDLE", file=sys.stderr)
+    if not argv:
+        print("usage: python -m gemma_ane.mil.serve PACKAGE [PACKAGE ...]", file=sys.stderr)
         return 2
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # frames only on the protocol's stream
     try:
-        serve(Path(argv[0]), stdin, stdout)
+        serve([Path(a) for a in argv], stdin, stdout)
     except (ProtocolError, GemmaAneError, BrokenPipeError) as e:
         print(f"gemma_ane.mil.serve: {e}", file=sys.stderr)
         return 1

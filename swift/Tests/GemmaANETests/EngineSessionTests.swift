@@ -17,6 +17,8 @@ final class StubRunner: ChunkRunner {
     var loads: [String] = []
     /// Functions this device refuses to load (the fallback path).
     var refuses: Set<String> = []
+    /// Called before each prediction (a test holds a generation there).
+    var beforePredict: (() -> Void)?
 
     init(name: String, stateful: Bool, context: Int, ring: Int, batch: Int?, kv: [Int], verify: Int?, hidden: Int, ple: Int, vocab: Int) {
         self.name = name
@@ -70,6 +72,7 @@ final class StubRunner: ChunkRunner {
     }
 
     func predict(_ function: String, inputs: [String: Tensor], state: ChunkState?) throws -> [String: Tensor] {
+        beforePredict?()
         let io = try #require(interfaces[function])
         for spec in io.inputs {
             let t = try #require(inputs[spec.name], "\(name).\(function): \(spec.name) missing")

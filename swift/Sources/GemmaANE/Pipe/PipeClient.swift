@@ -4,7 +4,7 @@ import Foundation
 import Glibc
 #endif
 
-/// A connection to `python -m gemma_ane.mil.serve BUNDLE` (iOS has no Process): the bundle's chunks run by the
+/// A connection to `python -m gemma_ane.mil.serve PACKAGE...` (iOS has no Process): a bundle's chunks run by the
 /// Python MIL executor, one request and one reply at a time over the child's stdin and stdout. The protocol is the
 /// module's (a little-endian u32 header size, a JSON header, the raw bytes of the tensors it lists); every read is
 /// bounded, and a child that dies or speaks out of step is one `.device` error, never a trap.
@@ -27,12 +27,13 @@ public final class PipeClient: @unchecked Sendable {
     private let lock = NSLock()
     private var released: [Int] = []
 
-    /// Starts the server for `bundle` with `python` (a path, or a name looked up on PATH) and reads its chunks.
-    public init(bundle: URL, python: String) throws {
+    /// Starts the server for the chunk `packages` (in order) with `python` (a path, or a name looked up on PATH) and
+    /// reads their interfaces.
+    public init(packages: [URL], python: String) throws {
         signal(SIGPIPE, SIG_IGN)  // a child that died is an error on write, not a signal that kills the app
         process = Process()
         process.executableURL = try Self.resolve(python)
-        process.arguments = ["-m", "gemma_ane.mil.serve", bundle.path]
+        process.arguments = ["-m", "gemma_ane.mil.serve"] + packages.map(\.path)
         let toChild = Pipe(), fromChild = Pipe()
         process.standardInput = toChild
         process.standardOutput = fromChild
@@ -45,6 +46,11 @@ public final class PipeClient: @unchecked Sendable {
         output = fromChild.fileHandleForReading
         let (reply, _) = try Self.exchange(input, output, process, ["op": "hello"], [])
         chunks = try Self.parseChunks(reply["chunks"])
+    }
+
+    /// The server for the chunks of the bundle directory `bundle` (chunk_1 ... as BundleLayout finds them).
+    public convenience init(bundle: URL, python: String) throws {
+        try self.init(packages: try BundleLayout.chunkPaths(bundle), python: python)
     }
 
     deinit {
@@ -201,9 +207,15 @@ public final class PipeRunner: ChunkRunner {
         interfaces = chunk.interfaces
     }
 
-    /// One runner per chunk the server holds, in order.
+    /// One runner per chunk of the bundle directory `bundle`, in order, all on one server.
     public static func open(bundle: URL, python: String) throws -> [PipeRunner] {
         let client = try PipeClient(bundle: bundle, python: python)
+        return client.chunks.map { PipeRunner(client: client, chunk: $0) }
+    }
+
+    /// One runner per chunk of `bundle`, in order, all on one server.
+    public static func open(bundle: ModelBundle, python: String) throws -> [PipeRunner] {
+        let client = try PipeClient(packages: bundle.chunkPaths, python: python)
         return client.chunks.map { PipeRunner(client: client, chunk: $0) }
     }
 

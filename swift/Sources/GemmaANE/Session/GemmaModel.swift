@@ -19,10 +19,11 @@ public final class GemmaModel: @unchecked Sendable {
     }
 
     #if os(macOS) || os(Linux)
-    /// The bundle at `url` with its chunks run by the Python MIL executor (`python -m gemma_ane.mil.serve`).
+    /// The bundle at `url` with its chunks run by the Python MIL executor (`python -m gemma_ane.mil.serve`), which
+    /// `python` must be able to import.
     public static func load(_ url: URL, python: String, warn: @escaping (String) -> Void = { _ in }) throws -> GemmaModel {
         let bundle = try ModelBundle(url)
-        return try GemmaModel(bundle: bundle, runners: try PipeRunner.open(bundle: url, python: python), warn: warn)
+        return try GemmaModel(bundle: bundle, runners: try PipeRunner.open(bundle: bundle, python: python), warn: warn)
     }
     #endif
 
