@@ -25,7 +25,7 @@ private func refused(_ data: Data, _ message: String) {
 }
 
 @Test func tokenizerFileRefusesWhatItCannotRunNamingFileAndField() throws {
-    refused(Data("{\"model\": ".utf8), "b/tokenizer.json: not valid JSON")
+    refused(Data("{\"model\": ".utf8), "b/tokenizer.json: not valid JSON (unexpected end at byte 10)")
     refused(Data("[1, 2]".utf8), "b/tokenizer.json: expected a JSON object")
     refused(try file { $0["model"] = nil }, "b/tokenizer.json: model: expected an object")
     refused(try file { $0["model"] = ["type": "Unigram", "vocab": []] }, "b/tokenizer.json: model.type: 'Unigram' is not supported (BPE only)")

@@ -71,22 +71,22 @@ public final class BPETokenizer: Tokenizer {
         let model = try reader.object(reader.root, "model")
         let type = try reader.string(model, "type", in: "model")
         guard type == "BPE" else { throw reader.fail("model.type", "'\(type)' is not supported (BPE only)") }
-        for field in ["continuing_subword_prefix", "end_of_word_suffix"] where !(model[field] is NSNull || model[field] == nil) {
+        for field in ["continuing_subword_prefix", "end_of_word_suffix"] where (model[field] ?? .null) != .null {
             throw reader.fail("model.\(field)", "is not supported")
         }
-        if let dropout = model["dropout"], !(dropout is NSNull), jsonNumber(dropout) != 0 {
+        if let dropout = model["dropout"], dropout != .null, dropout.number != 0 {
             throw reader.fail("model.dropout", "is not supported (decoding must be deterministic)")
         }
-        guard let vocabObject = model["vocab"] as? [String: Any] else {
+        guard let vocabMembers = model["vocab"]?.members else {
             throw reader.fail("model.vocab", "expected an object of pieces to ids")
         }
-        var vocab = [String: Int](minimumCapacity: vocabObject.count)
+        var vocab = [String: Int](minimumCapacity: vocabMembers.count)
         var top = -1
-        for (piece, value) in vocabObject {
-            guard let id = value as? Int, id >= 0, id < 1 << 24 else {
-                throw reader.fail("model.vocab", "'\(piece.prefix(40))': \(value) is not a token id")
+        for member in vocabMembers {
+            guard let id = member.value.int, id >= 0, id < 1 << 24 else {
+                throw reader.fail("model.vocab", "'\(member.key.prefix(40))': \(member.value.pythonText.prefix(40)) is not a token id")
             }
-            vocab[piece] = id
+            vocab[member.key] = id
             top = max(top, id)
         }
         let addedList = try AddedTokens.read(reader)
@@ -97,19 +97,20 @@ public final class BPETokenizer: Tokenizer {
         var byIDAdded = vocab
         for token in addedList { byIDAdded[token.content] = token.id }
 
-        guard let mergeList = model["merges"] as? [Any] else { throw reader.fail("model.merges", "expected an array") }
+        guard let mergeList = model["merges"]?.array else { throw reader.fail("model.merges", "expected an array") }
         var merges = [UInt64: UInt64](minimumCapacity: mergeList.count)
         for (rank, entry) in mergeList.enumerated() {
-            let pair: [String]
-            if let text = entry as? String {
+            var pair = [String]()
+            if let text = entry.string {
                 pair = text.split(separator: " ", maxSplits: 1, omittingEmptySubsequences: false).map(String.init)
-            } else {
-                pair = (entry as? [Any])?.compactMap { $0 as? String } ?? []
+            } else if let list = entry.array {
+                pair = list.compactMap(\.string)
             }
             guard pair.count == 2, let left = vocab[pair[0]], let right = vocab[pair[1]],
                 let merged = vocab[pair[0] + pair[1]]
             else {
-                throw reader.fail("model.merges[\(rank)]", "\(entry) does not join two pieces of the vocabulary into one")
+                throw reader.fail(
+                    "model.merges[\(rank)]", "\(entry.pythonText.prefix(60)) does not join two pieces of the vocabulary into one")
             }
             let key = UInt64(left) << 32 | UInt64(right)
             if merges[key] == nil { merges[key] = UInt64(rank) << 32 | UInt64(merged) }
@@ -120,10 +121,10 @@ public final class BPETokenizer: Tokenizer {
         vocabularySize = top + 1
         added = AddedTokens(addedList)
         specialIDs = Set(addedList.filter(\.special).map(\.id))
-        byteFallback = (model["byte_fallback"] as? Bool) ?? false
-        ignoreMerges = (model["ignore_merges"] as? Bool) ?? false
-        fuseUnknown = (model["fuse_unk"] as? Bool) ?? false
-        if let name = model["unk_token"] as? String { unknown = byIDAdded[name] } else { unknown = nil }
+        byteFallback = model["byte_fallback"]?.bool ?? false
+        ignoreMerges = model["ignore_merges"]?.bool ?? false
+        fuseUnknown = model["fuse_unk"]?.bool ?? false
+        unknown = model["unk_token"]?.string.flatMap { byIDAdded[$0] }
         byteIDs = (0..<256).map { vocab[String(format: "<0x%02X>", $0)] }
         normalizer = try Self.readNormalizer(reader)
         preTokenizer = try Self.readPreTokenizer(reader)
