@@ -62,3 +62,12 @@ private func refused(_ data: Data, _ message: String) {
         Issue.record("not a GemmaANEError: \(error)")
     }
 }
+
+@Test func tokenizerFileKeepsCanonicallyEquivalentPiecesApart() throws {
+    // Swift's String == takes these for one (a Swift dictionary literal of them traps); the tokenizer does not
+    let json = #"{"model": {"type": "BPE", "vocab": {"\u00C5": 0, "\u212B": 1, "e\u0301": 2, "\u00E9": 3, "e": 4, "\u0301": 5}, "merges": ["e \u0301"]}}"#
+    let t = try BPETokenizer(json: Data(json.utf8))
+    #expect(t.encode("\u{00C5}\u{212B}") == [0, 1])
+    #expect(t.encode("e\u{0301}\u{00E9}") == [2, 3])
+    #expect(t.id(of: "\u{212B}") == 1 && t.id(of: "\u{00E9}") == 3)
+}
