@@ -60,7 +60,7 @@ func floats(_ v: BundleJSON?) -> [Float] { (v?.array ?? []).map { Float($0.numbe
     #expect(throws: GemmaANEError.self) { try host.embed([config.vocabSize]) }
 }
 
-@Test func masksEqualPython() throws {
+@Test func hostMasksEqualPython() throws {
     let goldens = try EngineGoldens.json()
     let cases = goldens["masks"]?.array ?? []
     #expect(cases.count > 5)
@@ -73,7 +73,7 @@ func floats(_ v: BundleJSON?) -> [Float] { (v?.array ?? []).map { Float($0.numbe
     }
 }
 
-@Test func modelConfigRefusedAsPythonRefusesIt() throws {
+@Test func bundleModelConfigRefusedAsPythonRefusesIt() throws {
     let cases = try EngineGoldens.json()["configs"]?.array ?? []
     #expect(cases.count > 10)
     for c in cases {
@@ -89,7 +89,7 @@ func floats(_ v: BundleJSON?) -> [Float] { (v?.array ?? []).map { Float($0.numbe
     }
 }
 
-@Test func plansEqualPython() throws {
+@Test func enginePlansEqualPython() throws {
     let cases = try EngineGoldens.json()["plans"]?.array ?? []
     #expect(cases.count > 5)
     for p in cases {

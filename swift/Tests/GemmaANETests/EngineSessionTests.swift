@@ -17,6 +17,8 @@ final class StubRunner: ChunkRunner {
     var loads: [String] = []
     /// Functions this device refuses to load (the fallback path).
     var refuses: Set<String> = []
+    /// Called before each prediction (a test holds a generation there).
+    var beforePredict: (() -> Void)?
 
     init(name: String, stateful: Bool, context: Int, ring: Int, batch: Int?, kv: [Int], verify: Int?, hidden: Int, ple: Int, vocab: Int) {
         self.name = name
@@ -70,6 +72,7 @@ final class StubRunner: ChunkRunner {
     }
 
     func predict(_ function: String, inputs: [String: Tensor], state: ChunkState?) throws -> [String: Tensor] {
+        beforePredict?()
         let io = try #require(interfaces[function])
         for spec in io.inputs {
             let t = try #require(inputs[spec.name], "\(name).\(function): \(spec.name) missing")
@@ -130,7 +133,7 @@ func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBun
     return (bundle, runners)
 }
 
-@Test func sessionsReuseAsPythonDoes() throws {
+@Test func engineReusesAsPythonDoes() throws {
     let sessions = try EngineGoldens.json()["sessions"]?.array ?? []
     #expect(sessions.count >= 4)
     for (n, session) in sessions.enumerated() {
@@ -156,7 +159,7 @@ func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBun
     }
 }
 
-@Test func refusedPromptFunctionFallsBackWithOneWarning() throws {
+@Test func engineFallsBackFromARefusedPromptFunctionWithOneWarning() throws {
     let geometry: [BundleJSON] = [.int(64), .int(16), .int(16), .int(4), .array([.int(8), .int(4)]), .null]
     var warned: [String] = []
     let (engine, runners) = try stubEngine(geometry, refuse: ["prefill_kv_b8", "prefill_kv_b4"]) { warned.append($0) }
@@ -168,7 +171,7 @@ func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBun
     #expect(warned.count == 2)  // said once
 }
 
-@Test func cancelledPromptKeepsTheBatchesRun() throws {
+@Test func engineCancelledPromptKeepsTheBatchesRun() throws {
     let geometry: [BundleJSON] = [.int(64), .int(16), .int(16), .int(4), .array([]), .null]
     let (engine, _) = try stubEngine(geometry)
     var asked = 0

@@ -30,7 +30,8 @@ public final class ChatSession: @unchecked Sendable {
         let stop = StopFlag()
         return AsyncThrowingStream { continuation in
             continuation.onTermination = { _ in stop.set() }
-            Task.detached { [self] in
+            // A thread of its own: chunk predictions block, and Swift's cooperative pool has one thread per core.
+            Thread { [self] in
                 do {
                     try self.turn(text, stop: stop) { event in
                         continuation.yield(event)
@@ -40,7 +41,7 @@ public final class ChatSession: @unchecked Sendable {
                 } catch {
                     continuation.finish(throwing: error)
                 }
-            }
+            }.start()
         }
     }
 
