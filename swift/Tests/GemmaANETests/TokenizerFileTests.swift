@@ -27,6 +27,9 @@ private func refused(_ data: Data, _ message: String) {
 @Test func tokenizerFileRefusesWhatItCannotRunNamingFileAndField() throws {
     refused(Data("{\"model\": ".utf8), "b/tokenizer.json: not valid JSON (unexpected end at byte 10)")
     refused(Data("[1, 2]".utf8), "b/tokenizer.json: expected a JSON object")
+    refused(Data([0x7B, 0x22, 0xFF, 0x22, 0x3A, 0x31, 0x7D]), "b/tokenizer.json: not valid JSON (not UTF-8 text)")
+    refused(Data((String(repeating: "[", count: 600) + String(repeating: "]", count: 600)).utf8),
+        "b/tokenizer.json: not valid JSON (nested more than 512 deep at byte 512)")
     refused(try file { $0["model"] = nil }, "b/tokenizer.json: model: expected an object")
     refused(try file { $0["model"] = ["type": "Unigram", "vocab": []] }, "b/tokenizer.json: model.type: 'Unigram' is not supported (BPE only)")
     refused(

@@ -7,6 +7,10 @@ struct TokenizerFile {
 
     init(data: Data, file: String) throws {
         self.file = file
+        // JSON is UTF-8: bytes that are not would become U+FFFD inside pieces and tokenize silently wrong
+        guard String(validating: data, as: UTF8.self) != nil else {
+            throw GemmaANEError(.bundle, "\(file): not valid JSON (not UTF-8 text)")
+        }
         let value: JSONValue
         do {
             value = try data.withUnsafeBytes { try JSONReader.parse($0.bindMemory(to: UInt8.self)) }
