@@ -171,6 +171,8 @@ HOSTILE = [
     "mixed\u00a0nbsp\u2003emspace\u3000ideographic",
     "controls \u0000 \u0007 \u001b[31m \u007f",
     "\ufeffBOM and \u200bzero\u200cwidth\u200d",
+    "a \u0301b  \u0308 c \u0301",  # a space then a combining mark: one grapheme, two code points
+    "\u0301 leading mark, \u00c5 \u212b \u00e9 e\u0301 (canonically equivalent, distinct)",
     "ab" * 300,
     "中文" * 200,
     "",
@@ -402,7 +404,7 @@ CONVERSATIONS = [
     {
         "messages": [
             {"role": "user", "content": "emoji 😀 中文 e\u0301\n\n  indented"},
-            {"role": "assistant", "content": "  ok  "},
+            {"role": "assistant", "content": "  ok <|channel>x<channel|>\u0301 \u0301"},
             {"role": "user", "content": "again"},
         ],
         "enable_thinking": True,

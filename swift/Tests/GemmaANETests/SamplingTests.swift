@@ -96,3 +96,22 @@ private func seed(_ text: Any?) -> UInt64 { UInt64(text as! String)! }
     let text = try JSONSerialization.jsonObject(with: Data(#"{"top_k": true}"#.utf8)) as! [String: Any]
     #expect(throws: GemmaANEError.self) { try SamplingOptions(generationConfig: text) }
 }
+
+@Test func samplingWithNothingToDrawIsAnErrorNotATrap() throws {
+    var banned = try Sampler(options: SamplingOptions(seed: 1), bans: [0, 1, 2])
+    #expect(throws: GemmaANEError.self) { try banned.sample([1, 2, 3]) }
+    var broken = try Sampler(options: SamplingOptions(topP: 0.5, seed: 1))
+    #expect(throws: GemmaANEError.self) { try broken.sample([.nan, .nan, .nan]) }
+    var empty = try Sampler(options: SamplingOptions(temperature: 0))
+    #expect(throws: GemmaANEError.self) { try empty.sample([Float]()) }
+}
+
+@Test(arguments: [
+    SamplingOptions(seed: 1), SamplingOptions(topK: 2, seed: 1), SamplingOptions(topP: 0.5, seed: 1),
+    SamplingOptions(minP: 0.1, seed: 1), SamplingOptions(temperature: 0.5, topK: 2, topP: 0.9, minP: 0.1, seed: 1),
+])
+func samplingLogitsThatAreNotNumbersAreAnError(_ options: SamplingOptions) throws {
+    var sampler = try Sampler(options: options)
+    #expect(throws: GemmaANEError.self) { try sampler.sample([Float](repeating: .nan, count: 20_000)) }
+    #expect(throws: GemmaANEError.self) { try sampler.sample([Float](repeating: -.infinity, count: 5)) }
+}

@@ -25,8 +25,11 @@ private func refused(_ data: Data, _ message: String) {
 }
 
 @Test func tokenizerFileRefusesWhatItCannotRunNamingFileAndField() throws {
-    refused(Data("{\"model\": ".utf8), "b/tokenizer.json: not valid JSON")
+    refused(Data("{\"model\": ".utf8), "b/tokenizer.json: not valid JSON (unexpected end at byte 10)")
     refused(Data("[1, 2]".utf8), "b/tokenizer.json: expected a JSON object")
+    refused(Data([0x7B, 0x22, 0xFF, 0x22, 0x3A, 0x31, 0x7D]), "b/tokenizer.json: not valid JSON (not UTF-8 text)")
+    refused(Data((String(repeating: "[", count: 600) + String(repeating: "]", count: 600)).utf8),
+        "b/tokenizer.json: not valid JSON (nested more than 512 deep at byte 512)")
     refused(try file { $0["model"] = nil }, "b/tokenizer.json: model: expected an object")
     refused(try file { $0["model"] = ["type": "Unigram", "vocab": []] }, "b/tokenizer.json: model.type: 'Unigram' is not supported (BPE only)")
     refused(
@@ -61,4 +64,13 @@ private func refused(_ data: Data, _ message: String) {
     } catch {
         Issue.record("not a GemmaANEError: \(error)")
     }
+}
+
+@Test func tokenizerFileKeepsCanonicallyEquivalentPiecesApart() throws {
+    // Swift's String == takes these for one (a Swift dictionary literal of them traps); the tokenizer does not
+    let json = #"{"model": {"type": "BPE", "vocab": {"\u00C5": 0, "\u212B": 1, "e\u0301": 2, "\u00E9": 3, "e": 4, "\u0301": 5}, "merges": ["e \u0301"]}}"#
+    let t = try BPETokenizer(json: Data(json.utf8))
+    #expect(t.encode("\u{00C5}\u{212B}") == [0, 1])
+    #expect(t.encode("e\u{0301}\u{00E9}") == [2, 3])
+    #expect(t.id(of: "\u{212B}") == 1 && t.id(of: "\u{00E9}") == 3)
 }

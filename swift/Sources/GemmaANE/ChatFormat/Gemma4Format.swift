@@ -54,7 +54,7 @@ public enum Gemma4Format {
 
     /// The template's strip_thinking: a model turn loses every <|channel>...<channel|> block.
     static func stripThinking(_ text: String) -> String {
-        let parts = text.components(separatedBy: "<channel|>").map { $0.components(separatedBy: "<|channel>")[0] }
+        let parts = ByteText.split(text, on: "<channel|>").map { ByteText.split($0, on: "<|channel>")[0] }
         return pythonStrip(parts.joined())
     }
 

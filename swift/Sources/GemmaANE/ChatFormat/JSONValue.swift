@@ -52,6 +52,29 @@ public indirect enum JSONValue: Sendable, Equatable {
         return nil
     }
 
+    var int: Int? {
+        if case .int(let v) = self { return v }
+        return nil
+    }
+
+    var bool: Bool? {
+        if case .bool(let v) = self { return v }
+        return nil
+    }
+
+    var array: [JSONValue]? {
+        if case .array(let v) = self { return v }
+        return nil
+    }
+
+    var number: Double? {
+        switch self {
+        case .int(let v): return Double(v)
+        case .double(let v): return v
+        default: return nil
+        }
+    }
+
     var members: [Member]? {
         if case .object(let m) = self { return m }
         return nil

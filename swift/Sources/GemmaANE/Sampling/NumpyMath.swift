@@ -102,7 +102,7 @@ enum NumpyMath {
         var sample = stride(from: 0, to: x.count, by: 64).map { x[$0] }
         let k = min(sample.count - 1, n / 64 + 8)
         sample.sort(by: >)
-        return sample[k]
+        return sample[k].isNaN ? nil : sample[k]
     }
 
     private static func atLeast(_ x: UnsafeBufferPointer<Float>, _ threshold: Float) -> [Int] {
@@ -114,9 +114,11 @@ enum NumpyMath {
     /// The n-th largest value by quickselect on a copy (the rare case the sampled threshold misses: a row mostly
     /// at one value, as a ban-heavy bias leaves it).
     private static func nthLargest(_ x: UnsafeBufferPointer<Float>, _ n: Int) -> Float {
-        var values = Array(x)
+        // NaN orders against nothing: left out, so a row of them leaves no candidate (the draw refuses it)
+        var values = x.filter { !$0.isNaN }
+        guard !values.isEmpty else { return .nan }
         var lo = 0, hi = values.count - 1
-        let target = n - 1  // index in descending order
+        let target = min(n, values.count) - 1  // index in descending order
         while lo < hi {
             let pivot = values[(lo + hi) / 2]
             var i = lo, j = hi

@@ -59,18 +59,19 @@ public struct Sampler: Sendable {
 
     public mutating func sample(_ logits: UnsafeBufferPointer<Float>) throws -> Int {
         let vocabulary = logits.count
+        guard vocabulary > 0 else { throw GemmaANEError(.device, "the head returned no logits") }
         if let top = fixedMax, top >= vocabulary {
             throw GemmaANEError(.input, "logit_bias: token \(top) is not in the vocabulary of \(vocabulary)")
         }
         let penalised = !counts.isEmpty
             && (options.repetitionPenalty != 1.0 || options.presencePenalty != 0 || options.frequencyPenalty != 0)
-        guard penalised || !bias.isEmpty || !bans.isEmpty else { return draw(logits) }
+        guard penalised || !bias.isEmpty || !bans.isEmpty else { return try draw(logits) }
         // One copy of the row (a megabyte at 262,144 tokens, cheaper than any conversion) that the processors
         // then change at the few tokens they touch.
         if row.count != vocabulary { row = [Float](repeating: 0, count: vocabulary) }
         _ = row.withUnsafeMutableBufferPointer { $0.update(fromContentsOf: logits) }
         adjust()
-        return row.withUnsafeBufferPointer { draw($0) }
+        return try row.withUnsafeBufferPointer { try draw($0) }
     }
 
     /// The processors in make_logits_processors' order, each in the Python processor's float32 arithmetic.
@@ -94,7 +95,7 @@ public struct Sampler: Sendable {
     }
 
     /// The sampler chain over the adjusted row, then the draw (none when greedy).
-    private mutating func draw(_ x: UnsafeBufferPointer<Float>) -> Int {
+    private mutating func draw(_ x: UnsafeBufferPointer<Float>) throws -> Int {
         if options.isGreedy { return Self.argmax(x) }
         var t: Float = 1
         var cut: Candidates?  // nil: the whole vocabulary, by id
@@ -116,7 +117,7 @@ public struct Sampler: Sendable {
                 c.keep(Array(0..<min(end, c.ids.count)))
                 cut = c
             case .minP(let minP):
-                var c = cut ?? head(x, t) { $0[$0.count - 1] < minP * $0[0] }
+                var c = cut ?? head(x, t) { p in p.isEmpty || p[p.count - 1] < minP * p[0] }
                 let p = c.probabilities()
                 c.keep(p.indices.filter { p[$0] >= minP * p[0] })
                 cut = c
@@ -125,11 +126,11 @@ public struct Sampler: Sendable {
         guard var c = cut else {
             // nothing cut: one normalisation over the vocabulary
             let p = Self.softmax(x, top: x.max() ?? 0, t: t)
-            return pick(p)
+            return try pick(p)
         }
         let p = c.probabilities()
         let total = NumpyMath.sum(p)
-        return c.ids[pick(p.map { $0 / total })]
+        return c.ids[try pick(p.map { $0 / total })]
     }
 
     /// The first index of the largest value (top-k 1: ties by lower id).
@@ -150,7 +151,7 @@ public struct Sampler: Sendable {
         while true {
             let ids = NumpyMath.topIndices(x, min(n, x.count))
             let probs = ids.map { exp(Double((x[$0] - m) / t)) / total }
-            if enough(probs) || ids.count == x.count {
+            if enough(probs) || n >= x.count {  // (all of them taken: ends even on logits that are not numbers)
                 return Candidates(x: ids.map { x[$0] }, ids: ids, t: t, p: probs)
             }
             n *= 4
@@ -173,9 +174,12 @@ public struct Sampler: Sendable {
 
     /// `Generator.choice(len(p), p=p)`: the cumulative sum normalised by its last value, one double from the
     /// stream, and the first index whose cumulative probability exceeds it.
-    private mutating func pick(_ p: [Double]) -> Int {
+    private mutating func pick(_ p: [Double]) throws -> Int {
         var cdf = NumpyMath.cumsum(p)
-        let last = cdf[cdf.count - 1]
+        // numpy refuses such probabilities too: every token banned, or logits that are not numbers
+        guard let last = cdf.last, last.isFinite, last > 0 else {
+            throw GemmaANEError(.input, "sampling: no token left to draw (every candidate banned, or logits not finite)")
+        }
         for i in cdf.indices { cdf[i] /= last }
         return NumpyMath.searchsortedRight(cdf, random.nextDouble())
     }
@@ -191,7 +195,7 @@ public struct Sampler: Sendable {
 
         mutating func probabilities() -> [Double] {
             if let p { return p }
-            let top = x[0]
+            guard let top = x.first else { return [] }  // logits that are not numbers leave no candidate
             let w = x.map { exp(Double(($0 - top) / t)) }
             let total = NumpyMath.sum(w)
             let p = w.map { $0 / total }

@@ -25,9 +25,9 @@ public struct StreamingDetokenizer: Sendable {
     /// The text still held, at the generation's end. The first bytes of a character the generation ended inside
     /// (at most 3) are dropped, not emitted as U+FFFD; bytes that were never a character stay U+FFFD.
     public mutating func flush() -> String {
-        if decode(tokens[prefix...]).hasSuffix("\u{FFFD}") {
+        if decode(tokens[prefix...]).unicodeScalars.last == "\u{FFFD}" {
             for k in stride(from: 1, through: min(3, tokens.count - read), by: 1)
-            where !decode(tokens[prefix..<(tokens.count - k)]).hasSuffix("\u{FFFD}") {
+            where decode(tokens[prefix..<(tokens.count - k)]).unicodeScalars.last != "\u{FFFD}" {
                 tokens.removeLast(k)
                 break
             }
@@ -40,7 +40,7 @@ public struct StreamingDetokenizer: Sendable {
         let text = decode(tokens[prefix...])
         // Python compares lengths in code points and slices by them
         let beforeCount = before.unicodeScalars.count, textCount = text.unicodeScalars.count
-        if (text.hasSuffix("\u{FFFD}") && !final) || textCount <= beforeCount { return "" }
+        if (text.unicodeScalars.last == "\u{FFFD}" && !final) || textCount <= beforeCount { return "" }
         prefix = read
         read = tokens.count
         var out = String.UnicodeScalarView()

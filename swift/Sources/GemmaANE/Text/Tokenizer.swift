@@ -28,7 +28,7 @@ extension Tokenizer {
 public final class BPETokenizer: Tokenizer {
     public let vocabularySize: Int
     public let specialIDs: Set<Int>
-    let vocab: [String: Int]
+    let vocab: PieceTable
     let pieces: [String?]
     /// (left id << 32 | right id) -> (rank << 32 | merged id)
     let merges: [UInt64: UInt64]
@@ -71,45 +71,48 @@ public final class BPETokenizer: Tokenizer {
         let model = try reader.object(reader.root, "model")
         let type = try reader.string(model, "type", in: "model")
         guard type == "BPE" else { throw reader.fail("model.type", "'\(type)' is not supported (BPE only)") }
-        for field in ["continuing_subword_prefix", "end_of_word_suffix"] where !(model[field] is NSNull || model[field] == nil) {
+        for field in ["continuing_subword_prefix", "end_of_word_suffix"] where (model[field] ?? .null) != .null {
             throw reader.fail("model.\(field)", "is not supported")
         }
-        if let dropout = model["dropout"], !(dropout is NSNull), jsonNumber(dropout) != 0 {
+        if let dropout = model["dropout"], dropout != .null, dropout.number != 0 {
             throw reader.fail("model.dropout", "is not supported (decoding must be deterministic)")
         }
-        guard let vocabObject = model["vocab"] as? [String: Any] else {
+        guard let vocabMembers = model["vocab"]?.members else {
             throw reader.fail("model.vocab", "expected an object of pieces to ids")
         }
-        var vocab = [String: Int](minimumCapacity: vocabObject.count)
+        var vocab = PieceTable(capacity: vocabMembers.count)
         var top = -1
-        for (piece, value) in vocabObject {
-            guard let id = value as? Int, id >= 0, id < 1 << 24 else {
-                throw reader.fail("model.vocab", "'\(piece.prefix(40))': \(value) is not a token id")
+        for member in vocabMembers {
+            guard let id = member.value.int, id >= 0, id < 1 << 24 else {
+                throw reader.fail("model.vocab", "'\(member.key.prefix(40))': \(member.value.pythonText.prefix(40)) is not a token id")
             }
-            vocab[piece] = id
+            vocab.insert(member.key.utf8, id: id)
             top = max(top, id)
         }
         let addedList = try AddedTokens.read(reader)
         for token in addedList { top = max(top, token.id) }
         var pieces = [String?](repeating: nil, count: top + 1)
-        for (piece, id) in vocab { pieces[id] = piece }
+        for member in vocabMembers { pieces[member.value.int!] = member.key }
         for token in addedList { pieces[token.id] = token.content }
-        var byIDAdded = vocab
-        for token in addedList { byIDAdded[token.content] = token.id }
 
-        guard let mergeList = model["merges"] as? [Any] else { throw reader.fail("model.merges", "expected an array") }
+        guard let mergeList = model["merges"]?.array else { throw reader.fail("model.merges", "expected an array") }
         var merges = [UInt64: UInt64](minimumCapacity: mergeList.count)
         for (rank, entry) in mergeList.enumerated() {
-            let pair: [String]
-            if let text = entry as? String {
-                pair = text.split(separator: " ", maxSplits: 1, omittingEmptySubsequences: false).map(String.init)
-            } else {
-                pair = (entry as? [Any])?.compactMap { $0 as? String } ?? []
+            var pair = [String]()
+            if let text = entry.string {
+                // split on the first space scalar: by Character, " \u{301}" (a space and a combining mark) is one
+                let scalars = text.unicodeScalars
+                if let space = scalars.firstIndex(of: " ") {
+                    pair = [String(scalars[..<space]), String(scalars[scalars.index(after: space)...])]
+                }
+            } else if let list = entry.array {
+                pair = list.compactMap(\.string)
             }
-            guard pair.count == 2, let left = vocab[pair[0]], let right = vocab[pair[1]],
-                let merged = vocab[pair[0] + pair[1]]
+            guard pair.count == 2, let left = vocab[pair[0].utf8], let right = vocab[pair[1].utf8],
+                let merged = vocab.joined(pair[0].utf8, pair[1].utf8)
             else {
-                throw reader.fail("model.merges[\(rank)]", "\(entry) does not join two pieces of the vocabulary into one")
+                throw reader.fail(
+                    "model.merges[\(rank)]", "\(entry.pythonText.prefix(60)) does not join two pieces of the vocabulary into one")
             }
             let key = UInt64(left) << 32 | UInt64(right)
             if merges[key] == nil { merges[key] = UInt64(rank) << 32 | UInt64(merged) }
@@ -120,11 +123,12 @@ public final class BPETokenizer: Tokenizer {
         vocabularySize = top + 1
         added = AddedTokens(addedList)
         specialIDs = Set(addedList.filter(\.special).map(\.id))
-        byteFallback = (model["byte_fallback"] as? Bool) ?? false
-        ignoreMerges = (model["ignore_merges"] as? Bool) ?? false
-        fuseUnknown = (model["fuse_unk"] as? Bool) ?? false
-        if let name = model["unk_token"] as? String { unknown = byIDAdded[name] } else { unknown = nil }
-        byteIDs = (0..<256).map { vocab[String(format: "<0x%02X>", $0)] }
+        byteFallback = model["byte_fallback"]?.bool ?? false
+        ignoreMerges = model["ignore_merges"]?.bool ?? false
+        fuseUnknown = model["fuse_unk"]?.bool ?? false
+        let addedIDs = added.ids
+        unknown = model["unk_token"]?.string.flatMap { addedIDs[$0] ?? vocab[$0.utf8] }
+        byteIDs = (0..<256).map { vocab[String(format: "<0x%02X>", $0).utf8] }
         normalizer = try Self.readNormalizer(reader)
         preTokenizer = try Self.readPreTokenizer(reader)
         decoder = try Self.readDecoder(reader)
@@ -132,7 +136,7 @@ public final class BPETokenizer: Tokenizer {
 
     // MARK: lookups
 
-    public func id(of piece: String) -> Int? { added.ids[piece] ?? vocab[piece] }
+    public func id(of piece: String) -> Int? { added.ids[piece] ?? vocab[piece.utf8] }
 
     public func piece(of id: Int) -> String? { id >= 0 && id < pieces.count ? pieces[id] : nil }
 
@@ -164,7 +168,7 @@ public final class BPETokenizer: Tokenizer {
         var text = segment
         for step in normalizer {
             switch step {
-            case .replace(let a, let b): text = text.replacingOccurrences(of: a, with: b)
+            case .replace(let a, let b): text = ByteText.replacing(text, a, with: b)
             case .prepend(let p): if !text.isEmpty { text = p + text }
             }
         }
@@ -178,52 +182,47 @@ public final class BPETokenizer: Tokenizer {
     private func preTokenize(_ text: String, _ step: PreTokenizer, first: Bool) -> [String] {
         switch step {
         case .byteLevel(let addPrefixSpace, let useRegex):
-            let spaced = addPrefixSpace && !text.hasPrefix(" ") ? " " + text : text
+            let spaced = addPrefixSpace && !ByteText.hasPrefix(text, " ") ? " " + text : text
             let words = useRegex ? ByteLevel.split(spaced) : [spaced]
             return words.map(ByteLevel.encode)
         case .split(let delimiter, let behavior):
             return Self.split(text, on: delimiter, behavior)
         case .metaspace(let replacement, let prepend, let split):
-            var t = text.replacingOccurrences(of: " ", with: replacement)
-            if (prepend == "always" || (prepend == "first" && first)) && !t.hasPrefix(replacement) { t = replacement + t }
+            var t = ByteText.replacing(text, " ", with: replacement)
+            if (prepend == "always" || (prepend == "first" && first)) && !ByteText.hasPrefix(t, replacement) {
+                t = replacement + t
+            }
             return split ? Self.split(t, on: replacement, .mergedWithNext) : [t]
         }
     }
 
     static func split(_ text: String, on delimiter: String, _ behavior: SplitBehavior) -> [String] {
-        guard !delimiter.isEmpty, text.contains(delimiter) else { return [text] }
+        let parts = ByteText.split(text, on: delimiter)
+        guard parts.count > 1 else { return [text] }
         var pieces = [String]()
-        var rest = Substring(text)
-        var pending = ""  // MergedWithNext: a delimiter waiting for what follows it
-        while let range = rest.range(of: delimiter) {
-            let before = String(rest[..<range.lowerBound])
+        for (i, part) in parts.enumerated() {
+            let last = i == parts.count - 1
             switch behavior {
-            case .removed: pieces.append(before)
-            case .isolated:
-                pieces.append(before)
-                pieces.append(delimiter)
-            case .mergedWithPrevious: pieces.append(before + delimiter)
-            case .mergedWithNext:
-                pieces.append(pending + before)
-                pending = delimiter
+            case .removed: pieces.append(part)
+            case .isolated: pieces += last ? [part] : [part, delimiter]
+            case .mergedWithPrevious: pieces.append(last ? part : part + delimiter)
+            case .mergedWithNext: pieces.append(i == 0 ? part : delimiter + part)
             }
-            rest = rest[range.upperBound...]
         }
-        pieces.append(pending + String(rest))
         return pieces.filter { !$0.isEmpty }
     }
 
     /// BPE on one word: its characters (or their <0xHH> bytes, or the unknown token), then the merges in rank
     /// order, leftmost first among equals, as the `tokenizers` library's heap applies them.
     private func bpe(_ word: String, into ids: inout [Int]) {
-        if ignoreMerges, let id = vocab[word] {
+        if ignoreMerges, let id = vocab[word.utf8] {
             ids.append(id)
             return
         }
         var symbols = [Int]()
         var lastWasUnknown = false
         for scalar in word.unicodeScalars {
-            if let id = vocab[String(scalar)] {
+            if let id = vocab[String(scalar).utf8] {
                 symbols.append(id)
                 lastWasUnknown = false
             } else if byteFallback, case let bytes = Array(String(scalar).utf8), bytes.allSatisfy({ byteIDs[Int($0)] != nil }) {
@@ -290,7 +289,7 @@ public final class BPETokenizer: Tokenizer {
             }
             return [String(decoding: bytes, as: UTF8.self)]
         case .replace(let a, let b):
-            return tokens.map { $0.replacingOccurrences(of: a, with: b) }
+            return tokens.map { ByteText.replacing($0, a, with: b) }
         case .fuse:
             return [tokens.joined()]
         case .strip(let content, let start, let stop):

@@ -2,59 +2,59 @@ import Foundation
 
 /// tokenizer.json decoded, with errors that name the file and the field (`tokenizer.json: model.type: ...`).
 struct TokenizerFile {
-    let root: [String: Any]
+    let root: JSONValue
     let file: String
 
     init(data: Data, file: String) throws {
         self.file = file
-        let value: Any
+        // JSON is UTF-8: bytes that are not would become U+FFFD inside pieces and tokenize silently wrong
+        guard String(validating: data, as: UTF8.self) != nil else {
+            throw GemmaANEError(.bundle, "\(file): not valid JSON (not UTF-8 text)")
+        }
+        let value: JSONValue
         do {
-            value = try JSONSerialization.jsonObject(with: data)
-        } catch {
-            throw GemmaANEError(.bundle, "\(file): not valid JSON")
+            value = try data.withUnsafeBytes { try JSONReader.parse($0.bindMemory(to: UInt8.self)) }
+        } catch let failure as JSONReader.Failure {
+            throw GemmaANEError(.bundle, "\(file): not valid JSON (\(failure.why) at byte \(failure.offset))")
         }
-        guard let root = value as? [String: Any] else {
-            throw GemmaANEError(.bundle, "\(file): expected a JSON object")
-        }
-        self.root = root
+        guard value.members != nil else { throw GemmaANEError(.bundle, "\(file): expected a JSON object") }
+        root = value
     }
 
     func fail(_ field: String, _ why: String) -> GemmaANEError {
         GemmaANEError(.bundle, "\(file): \(field): \(why)")
     }
 
-    func object(_ parent: [String: Any], _ key: String, in path: String = "") -> [String: Any]? {
-        parent[key] as? [String: Any]
-    }
-
-    func object(_ parent: [String: Any], _ key: String) throws -> [String: Any] {
-        guard let value = parent[key] as? [String: Any] else { throw fail(key, "expected an object") }
+    func object(_ parent: JSONValue, _ key: String) throws -> JSONValue {
+        guard let value = parent[key], value.members != nil else { throw fail(key, "expected an object") }
         return value
     }
 
-    func string(_ parent: [String: Any], _ key: String, in path: String) throws -> String {
-        guard let value = parent[key] as? String else { throw fail("\(path).\(key)", "expected a string") }
+    func string(_ parent: JSONValue, _ key: String, in path: String) throws -> String {
+        guard let value = parent[key]?.string else { throw fail("\(path).\(key)", "expected a string") }
         return value
     }
 
     /// A component (normalizer, pre_tokenizer, decoder): nil, one object, or a Sequence's list, flattened.
-    func steps(_ key: String) throws -> [(path: String, fields: [String: Any], type: String)] {
-        guard let value = root[key], !(value is NSNull) else { return [] }
-        guard let object = value as? [String: Any] else { throw fail(key, "expected an object or null") }
-        return try flatten(object, key)
+    func steps(_ key: String) throws -> [(path: String, fields: JSONValue, type: String)] {
+        guard let value = root[key], value != .null else { return [] }
+        guard value.members != nil else { throw fail(key, "expected an object or null") }
+        return try flatten(value, key)
     }
 
-    private func flatten(_ object: [String: Any], _ path: String) throws -> [(path: String, fields: [String: Any], type: String)] {
+    private func flatten(_ object: JSONValue, _ path: String) throws -> [(path: String, fields: JSONValue, type: String)] {
         let type = try string(object, "type", in: path)
         guard type == "Sequence" else { return [(path, object, type)] }
         let listKey = ["normalizers", "pretokenizers", "decoders"].first { object[$0] != nil } ?? "decoders"
-        guard let list = object[listKey] as? [[String: Any]] else { throw fail("\(path).\(listKey)", "expected an array of objects") }
+        guard let list = object[listKey]?.array, list.allSatisfy({ $0.members != nil }) else {
+            throw fail("\(path).\(listKey)", "expected an array of objects")
+        }
         return try list.enumerated().flatMap { try flatten($1, "\(path).\(listKey)[\($0)]") }
     }
 
-    /// A Replace's pattern: a plain string (a regex is not supported).
-    func pattern(_ fields: [String: Any], _ path: String) throws -> String {
-        guard let pattern = fields["pattern"] as? [String: Any], let text = pattern["String"] as? String, !text.isEmpty else {
+    /// A Replace's or Split's pattern: a plain string (a regex is not supported).
+    func pattern(_ fields: JSONValue, _ path: String) throws -> String {
+        guard let text = fields["pattern"]?["String"]?.string, !text.isEmpty else {
             throw fail("\(path).pattern", "only a non-empty String pattern is supported (no Regex)")
         }
         return text
@@ -80,22 +80,22 @@ extension BPETokenizer {
             switch type {
             case "ByteLevel":
                 return .byteLevel(
-                    addPrefixSpace: (fields["add_prefix_space"] as? Bool) ?? true, useRegex: (fields["use_regex"] as? Bool) ?? true)
+                    addPrefixSpace: fields["add_prefix_space"]?.bool ?? true, useRegex: fields["use_regex"]?.bool ?? true)
             case "Split":
                 let behavior = try reader.string(fields, "behavior", in: path)
                 guard let kind = SplitBehavior(rawValue: behavior) else {
                     throw reader.fail("\(path).behavior", "'\(behavior)' is not supported")
                 }
-                if (fields["invert"] as? Bool) == true { throw reader.fail("\(path).invert", "is not supported") }
+                if fields["invert"]?.bool == true { throw reader.fail("\(path).invert", "is not supported") }
                 return .split(try reader.pattern(fields, path), kind)
             case "Metaspace":
-                let scheme = (fields["prepend_scheme"] as? String) ?? ((fields["add_prefix_space"] as? Bool) == false ? "never" : "always")
+                let scheme = fields["prepend_scheme"]?.string ?? (fields["add_prefix_space"]?.bool == false ? "never" : "always")
                 guard ["always", "first", "never"].contains(scheme) else {
                     throw reader.fail("\(path).prepend_scheme", "'\(scheme)' is not supported")
                 }
                 return .metaspace(
                     replacement: try reader.string(fields, "replacement", in: path), prepend: scheme,
-                    split: (fields["split"] as? Bool) ?? true)
+                    split: fields["split"]?.bool ?? true)
             default:
                 throw reader.fail("\(path).type", "'\(type)' is not supported (ByteLevel, Split, Metaspace)")
             }
@@ -111,7 +111,7 @@ extension BPETokenizer {
             case "Fuse": return .fuse
             case "Strip":
                 let content = try reader.string(fields, "content", in: path)
-                guard content.count == 1, let start = fields["start"] as? Int, let stop = fields["stop"] as? Int else {
+                guard content.count == 1, let start = fields["start"]?.int, let stop = fields["stop"]?.int else {
                     throw reader.fail(path, "expected one content character and start and stop counts")
                 }
                 return .strip(content.first!, start, stop)
@@ -140,16 +140,16 @@ struct AddedTokens: Sendable {
     private let ends: [Int32]
 
     static func read(_ reader: TokenizerFile) throws -> [Token] {
-        guard let list = reader.root["added_tokens"] else { return [] }
-        guard let items = list as? [[String: Any]] else { throw reader.fail("added_tokens", "expected an array of objects") }
+        guard let list = reader.root["added_tokens"], list != .null else { return [] }
+        guard let items = list.array else { throw reader.fail("added_tokens", "expected an array of objects") }
         return try items.enumerated().map { i, item in
-            guard let id = item["id"] as? Int, id >= 0, id < 1 << 24, let content = item["content"] as? String, !content.isEmpty else {
+            guard let id = item["id"]?.int, id >= 0, id < 1 << 24, let content = item["content"]?.string, !content.isEmpty else {
                 throw reader.fail("added_tokens[\(i)]", "expected an id and a non-empty content")
             }
-            for flag in ["single_word", "lstrip", "rstrip"] where (item[flag] as? Bool) == true {
+            for flag in ["single_word", "lstrip", "rstrip"] where item[flag]?.bool == true {
                 throw reader.fail("added_tokens[\(i)].\(flag)", "is not supported")
             }
-            return Token(id: id, content: content, special: (item["special"] as? Bool) ?? false)
+            return Token(id: id, content: content, special: item["special"]?.bool ?? false)
         }
     }
 
