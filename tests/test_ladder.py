@@ -13,6 +13,7 @@ import pytest
 from margins import assert_same_greedy, recorded_rows
 
 import gemma_ane
+from gemma_ane.bundle import inspect_bundle
 from gemma_ane.bundle.ladder import rung_costs
 from gemma_ane.bundle.plan import ChunkPlan
 from gemma_ane.bundle.spec import ConfigError, ModelSpec
@@ -133,6 +134,11 @@ def test_the_bundle_records_its_rungs(ladder):
     assert manifest["plan"]["contexts"] == list(CONTEXTS) and manifest["options"]["contexts"] == list(CONTEXTS)
     model = gemma_ane.load(ladder, backend="mil")
     assert model.context == CONTEXTS[-1] and model.engine.rung == CONTEXTS[0]  # starts on the smallest rung
+    rungs = inspect_bundle(ladder, sha256=False)["rungs"]
+    assert [r["context"] for r in rungs] == list(CONTEXTS)
+    assert len({r["weight_bytes"] for r in rungs}) == 1  # one set of weights, read whatever the rung
+    for low, high in zip(rungs, rungs[1:]):
+        assert low["kv_bytes"] < high["kv_bytes"] and low["hand_off_bytes"] < high["hand_off_bytes"]
 
 
 @pytest.mark.slow
@@ -254,3 +260,22 @@ def test_a_prompt_past_the_top_rung_is_todays_overflow(ladder, pair):
     n = len(model.prompt_ids(prompt, raw=True))
     with pytest.raises(ContextOverflow, match=f"prompt of {n} tokens exceeds the context of 128"):
         model.generate(prompt, raw=True, max_tokens=1)
+
+
+@pytest.mark.slow
+def test_core_ml_loads_only_the_rung_it_runs(ladder, pair):
+    """Through coremltools over the Core ML stand-in: the smallest rung's infer is all a bundle loads when it opens
+    (each loaded function wires its own copy of the weights); a climb loads the next rung's and releases the last."""
+    from coreml_standin import install
+
+    kw = dict(raw=True, temperature=0, max_tokens=60)
+    with install() as standin:
+        model = gemma_ane.load(ladder, backend="coreml")
+        assert {f for _, _, f in standin.loads} == {"ctx32_infer"} and model.engine.rung == 32
+        prompt = text_of(model, pair, 20, seed=13)
+        coreml = model.generate(prompt, **kw)
+        held = {f for c in model.engine.ladder.raw for f in c.models}
+    mil = load(ladder, "fp16").generate(prompt, **kw)
+    assert coreml.tokens == mil.tokens and len(coreml.crossings) == 2
+    assert {f for _, _, f in standin.loads} >= {"ctx32_infer", "ctx64_infer", "infer"}
+    assert not any(f.startswith(("ctx32_", "ctx64_")) for f in held), held  # the rungs left behind are released

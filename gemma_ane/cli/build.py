@@ -207,6 +207,8 @@ def cmd_inspect(a):
             f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token"
         )
     print("\n".join(format_device_cost(report["device_cost"])))
+    if "rungs" in report and all(r["weight_bytes"] is not None for r in report["rungs"]):
+        print("\n".join(format_rung_costs(report["rungs"])))
     m = report["manifest"]
     print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
     return 0 if m["verified"] else 1
