@@ -279,3 +279,18 @@ def test_core_ml_loads_only_the_rung_it_runs(ladder, pair):
     assert coreml.tokens == mil.tokens and len(coreml.crossings) == 2
     assert {f for _, _, f in standin.loads} >= {"ctx32_infer", "ctx64_infer", "infer"}
     assert not any(f.startswith(("ctx32_", "ctx64_")) for f in held), held  # the rungs left behind are released
+
+
+@pytest.fixture(scope="module")
+def e4b_ladder(tiny_e4b, tmp_path_factory):
+    out = tmp_path_factory.mktemp("e4b_ladder") / "bundle"
+    convert(str(tiny_e4b), str(out), ConvertOptions(contexts=(32, 64), bits=16, vision=False), progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_e4bs_pattern_equals_transformers_across_its_crossing(e4b_ladder, tiny_e4b):
+    """E4B's pattern (5:1, two KV heads, no double-wide MLP): the hand-offs of its own producers, climbed."""
+    report = verify_bundle(tiny_e4b, e4b_ladder, tokens=60, precision="fp32", prompt_len=10)
+    assert report["passed"], report
+    assert [c.split(" at ")[0] for c in report["crossings"]] == ["context 32 -> 64"]
