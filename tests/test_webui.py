@@ -114,6 +114,12 @@ def test_the_page_is_served_with_a_policy_and_not_with_no_webui(server, demo_bun
         assert httpx.get(server + asset).headers["content-security-policy"] == policy
     card = httpx.get(f"{server}/v1/models").json()["data"][0]
     assert card["context_length"] == 512 and card["capabilities"]["vision"] and not card["capabilities"]["audio"]
+    port = server.rsplit(":", 1)[1]
+    own = {"Origin": server, "Content-Type": "application/json"}
+    ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert httpx.post(f"{server}/v1/chat/completions", json=ask, headers=own).status_code == 200  # its own page
+    rebound = {"Origin": f"http://evil.example:{port}", "Host": f"evil.example:{port}"}  # a name resolving here
+    assert httpx.post(f"{server}/v1/chat/completions", json=ask, headers=rebound).status_code == 403
     with serving(demo_bundle16, "--no-webui") as bare:
         assert httpx.get(bare).status_code == 404
         assert httpx.get(f"{bare}/v1/models").status_code == 200

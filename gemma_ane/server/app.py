@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import errno
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -132,7 +133,8 @@ class Origins:
     """CORS as a local server needs it: a request from a browser page (it carries Origin) is served only if
     its origin is allowed, with Access-Control-Allow-Origin; any other gets 403, so a page the user visits
     cannot make the model generate. Preflights (OPTIONS with Access-Control-Request-Method) of allowed
-    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before."""
+    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before, and so do the
+    server's own chat page's (_same_origin)."""
 
     METHODS = "GET, POST, OPTIONS"
 
@@ -144,7 +146,7 @@ class Origins:
             return await self.app(scope, receive, send)
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
         origin = headers.get(b"origin")
-        if origin is None:
+        if origin is None or _same_origin(origin, scope.get("scheme", "http"), headers.get(b"host", "")):
             return await self.app(scope, receive, send)
         if "*" not in self.allowed and origin not in self.allowed:
             message = f"Origin {origin!r} is not allowed (serve --allow-origin ORIGIN opens the server to a page)"
@@ -166,6 +168,18 @@ class Origins:
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
+
+
+def _same_origin(origin: str, scheme: str, host: str) -> bool:
+    """A request from a page this server sent (the chat page): its Origin is the address the browser asked. Only
+    an address by IP or `localhost` counts: a name could be a DNS-rebinding attacker's own, resolving here."""
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1 : host.find("]")]
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        if name != "localhost":
+            return False
+    return origin == f"{scheme}://{host}"
 
 
 def _raw(headers: dict) -> list[tuple[bytes, bytes]]:
