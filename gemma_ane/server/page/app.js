@@ -315,6 +315,7 @@ function requestBody(c) {
 
 async function complete(c) {
   notice("");
+  const body = requestBody(c);  // the conversation so far, before the answer's place is added
   const answer = { role: "assistant", content: "", reasoning: "" };
   c.messages.push(answer);
   show();
@@ -323,7 +324,7 @@ async function complete(c) {
   busy(true);
   let finish = null, usage = null, timings = null;
   try {
-    const r = await api("/v1/chat/completions", requestBody(c), state.abort.signal);
+    const r = await api("/v1/chat/completions", body, state.abort.signal);
     if (!r.ok) throw new Error(await errorOf(r));
     const reader = r.body.getReader(), decoder = new TextDecoder();
     let buffer = "";
