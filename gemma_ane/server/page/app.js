@@ -24,9 +24,13 @@ function load(key, fallback) {
   try { const v = JSON.parse(localStorage.getItem(key)); return v === null ? fallback : v; } catch { return fallback; }
 }
 
+const KEPT_ATTACHMENT = 1 << 20;  // characters of an attachment's data URL kept in localStorage (its quota is ~5 MB)
+
 function save() {
+  // an attachment past KEPT_ATTACHMENT is kept by name only: it was sent, but a reload cannot show or resend it
+  const keep = (key, value) => (key === "url" && typeof value === "string" && value.length > KEPT_ATTACHMENT ? undefined : value);
   try {
-    localStorage.setItem(STORE.conversations, JSON.stringify(state.conversations));
+    localStorage.setItem(STORE.conversations, JSON.stringify(state.conversations, keep));
     localStorage.setItem(STORE.current, JSON.stringify(state.current));
   } catch (e) {
     notice(`could not keep the conversations in this browser (${e.name}): export them to keep them`);
@@ -170,7 +174,7 @@ function messageView(m, index, c) {
     li.append(d);
   }
   for (const a of m.attachments || []) {
-    if (a.kind === "image") {
+    if (a.kind === "image" && a.url) {
       const img = document.createElement("img");
       img.className = "attachment";
       img.alt = a.name;
@@ -178,7 +182,7 @@ function messageView(m, index, c) {
       li.append(img);
     } else {
       const s = document.createElement("div");
-      s.textContent = `[audio: ${a.name}]`;
+      s.textContent = a.url ? `[audio: ${a.name}]` : `[${a.kind}: ${a.name}, too large to keep in this browser]`;
       li.append(s);
     }
   }
