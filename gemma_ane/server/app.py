@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import errno
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import GemmaAneError, InputError, as_typed, option_strings
-from . import fetch
+from . import fetch, page
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
 from .request import parse_request, prepare
@@ -132,7 +133,8 @@ class Origins:
     """CORS as a local server needs it: a request from a browser page (it carries Origin) is served only if
     its origin is allowed, with Access-Control-Allow-Origin; any other gets 403, so a page the user visits
     cannot make the model generate. Preflights (OPTIONS with Access-Control-Request-Method) of allowed
-    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before."""
+    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before, and so do the
+    server's own chat page's (_same_origin)."""
 
     METHODS = "GET, POST, OPTIONS"
 
@@ -144,7 +146,7 @@ class Origins:
             return await self.app(scope, receive, send)
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
         origin = headers.get(b"origin")
-        if origin is None:
+        if origin is None or _same_origin(origin, scope.get("scheme", "http"), headers.get(b"host", "")):
             return await self.app(scope, receive, send)
         if "*" not in self.allowed and origin not in self.allowed:
             message = f"Origin {origin!r} is not allowed (serve --allow-origin ORIGIN opens the server to a page)"
@@ -168,8 +170,32 @@ class Origins:
         await self.app(scope, receive, send_with_cors)
 
 
+def _same_origin(origin: str, scheme: str, host: str) -> bool:
+    """A request from a page this server sent (the chat page): its Origin is the address the browser asked. Only
+    an address by IP or `localhost` counts: a name could be a DNS-rebinding attacker's own, resolving here."""
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1 : host.find("]")]
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        if name != "localhost":
+            return False
+    return origin == f"{scheme}://{host}"
+
+
 def _raw(headers: dict) -> list[tuple[bytes, bytes]]:
     return [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def capabilities(model) -> dict:
+    """What the served bundle can do (the model card's `capabilities`)."""
+    return {
+        "thinking": True,  # Gemma 4's template opens a thought on request
+        "tools": True,  # calls are parsed from the text the model writes
+        "vision": getattr(model, "images", None) is not None,
+        "audio": getattr(model, "audio", None) is not None,
+        "drafter": getattr(model, "max_draft_tokens", 0) > 0,
+        "sampling": model.head == "logits",  # the published layout's argmax head: greedy only
+    }
 
 
 def build_app(
@@ -185,6 +211,7 @@ def build_app(
     remote_images: bool = False,
     allow_fetch_from=(),
     allow_origins=(),
+    webui: bool = True,
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
@@ -192,7 +219,7 @@ def build_app(
     `max_images` base64 images of `max_image_bytes` when the model takes images (in their image_url parts only);
     `remote_images`: fetch http(s) image URLs on public addresses and those `allow_fetch_from` names (off:
     refused); `allow_origins`: the browser origins whose pages may call it (CORS; "*" any), every other Origin
-    refused."""
+    refused; `webui`: the chat page on `/` (page.py)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -227,7 +254,15 @@ def build_app(
         )
 
     def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": started, "owned_by": "gemma-ane"}
+        # OpenAI's four fields, then what the bundle can do, for a client (the chat page) to offer only that
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "gemma-ane",
+            "context_length": model.context,
+            "capabilities": capabilities(model),
+        }
 
     async def models(request):
         authorize(request)
@@ -296,6 +331,7 @@ def build_app(
             Route("/v1/models/{name:path}", one_model, methods=["GET"]),
             Route("/v1/chat/completions", endpoint("chat", "chatcmpl"), methods=["POST"]),
             Route("/v1/completions", endpoint("completion", "cmpl"), methods=["POST"]),
+            *(page.routes() if webui else []),
         ],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
@@ -321,6 +357,7 @@ def serve(
     remote_images: bool = False,
     allow_fetch_from=(),
     allow_origins=(),
+    webui: bool = True,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -353,6 +390,7 @@ def serve(
         api_key=api_key,
         max_queue=max_queue,
         allow_origins=allow_origins,
+        webui=webui,
         **dataclasses.asdict(limits),
     )
     # a stream still open at shutdown is cut after 5 s rather than holding the process
@@ -397,6 +435,7 @@ def _cmd_serve(a) -> int:
         remote_images=a.allow_remote_images,
         allow_fetch_from=a.allow_fetch_from,
         allow_origins=a.allow_origin,
+        webui=not a.no_webui,
     )
     return 0
 
@@ -411,6 +450,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "coreml", "mil"],
         help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
     )
+    p.add_argument("--no-webui", action="store_true", help="no chat page on / (then / is 404)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument(
         "--max-queue",

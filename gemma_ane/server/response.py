@@ -71,6 +71,7 @@ class Render:
         self.created = int(time.time())
         self.prompt_tokens = req.prompt_tokens  # prepare's; the last event's replaces it (see _ended)
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
+        self.speeds = (0.0, 0.0)  # the first choice's prompt and generation tokens a second (the last event says)
         self.choices = [_Choice(i) for i in range(req.n)]
         self.echo_scores: list | None = None  # Model.prompt_logprobs's, when echo asked for logprobs
 
@@ -89,6 +90,7 @@ class Render:
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         if all(not c.done for c in self.choices):
             self.cached_tokens = ev.reused_tokens
+            self.speeds = (ev.prefill_tokens_per_s, ev.decode_tokens_per_s)
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
@@ -148,6 +150,17 @@ class Render:
         scored = [(t, None, []) if s is None else (t, s[0], s[1]) for t, s in zip(self.req.prompt_ids[1:], scores[1:])]
         return self.req.prompt_text, self._entries(c, scored)
 
+    def timings(self) -> dict:
+        """llama.cpp's `timings` beside `usage`: what a page shows under an answer (prompt tokens processed and
+        reused, both speeds)."""
+        return {
+            "prompt_n": self.prompt_tokens - self.cached_tokens,
+            "cache_n": self.cached_tokens,
+            "prompt_per_second": self.speeds[0],
+            "predicted_n": self.completion_tokens,
+            "predicted_per_second": self.speeds[1],
+        }
+
     @staticmethod
     def _join(a: dict | None, b: dict | None) -> dict | None:
         if a is None or b is None:
@@ -177,7 +190,7 @@ class Render:
                 echoed, logprobs = self._echo(c) if self.req.echo else ("", None)
                 logprobs = self._join(logprobs, self._logprobs(c, released))
                 out.append({"index": c.index, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish})
-        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+        return {**self._envelope(False), "choices": out, "usage": self.usage(), "timings": self.timings()}
 
     def _chunk(self, c: _Choice, choice: dict) -> dict:
         out = {**self._envelope(True), "choices": [{"index": c.index, **choice}]}
@@ -238,7 +251,7 @@ class Render:
             end = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk(c, {**end, "logprobs": None, "finish_reason": ev.finish_reason}))
             if self.req.include_usage and all(x.done for x in self.choices):
-                out.append({**self._envelope(True), "choices": [], "usage": self.usage()})
+                out.append({**self._envelope(True), "choices": [], "usage": self.usage(), "timings": self.timings()})
         return out
 
 
