@@ -130,8 +130,9 @@ def test_the_page_is_served_with_a_policy_and_not_with_no_webui(server, demo_bun
 def test_a_question_streams_its_answer_with_figures_that_match_usage(page):
     chunks = []
     page.on("response", lambda r: chunks.append(r) if r.url.endswith("/v1/chat/completions") else None)
+    assert page.locator("#stop").is_hidden()
     ask(page, "What is the capital of France?")
-    assert answers(page) == ["Paris."]
+    assert answers(page) == ["Paris."] and page.locator("#stop").is_hidden()  # only a running answer can stop
     events = [json.loads(line[6:]) for line in chunks[0].text().splitlines() if line.startswith("data: {")]
     usage = next(e["usage"] for e in events if e.get("usage"))
     figures = page.locator(".message.assistant .figures").inner_text()
