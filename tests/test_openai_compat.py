@@ -19,9 +19,9 @@ from test_server_tools import HI, PICK
 
 import gemma_ane
 from gemma_ane.runtime.grammar import response_grammar
+from gemma_ane.runtime.request import choice_seed
 from gemma_ane.runtime.sampling import Sampler, SamplingParams
 from gemma_ane.server.app import build_app, main
-from gemma_ane.server.request import choice_seed
 
 NAME = "tiny"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

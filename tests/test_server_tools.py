@@ -175,8 +175,8 @@ def test_a_call_whose_arguments_are_no_json_is_a_400(model, client):
 class ToolModel(FakeModel):
     """test_server's scripted model, whose prompt grows by a token per tool."""
 
-    def prompt_ids(self, *args, tools=None, **kw):
-        return super().prompt_ids(*args, **kw) + [3] * len(tools or [])
+    def _prompt_ids(self, prompt, messages, raw, enable_thinking, system, tools):
+        return super()._prompt_ids(prompt, messages, raw, enable_thinking, system, tools) + [3] * len(tools or [])
 
 
 SCHEMA, CALL0 = "response_format.json_schema.schema", "messages[1].tool_calls[0]"
