@@ -25,8 +25,8 @@ from gemma_ane.errors import ConversionError, DeviceError, GemmaAneError, InputE
 from gemma_ane.files import FileFormatError
 from gemma_ane.mil.executor import ExecutionError
 from gemma_ane.mil.package import PackageError
-from gemma_ane.runtime.backend import BackendError
 from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep
+from gemma_ane.runtime.device import BackendError
 from gemma_ane.runtime.engine import Cancelled, ContextOverflow, Engine, FunctionUnavailable, NonFiniteOutput
 from gemma_ane.runtime.grammar import GrammarError
 from gemma_ane.runtime.images import ImageError

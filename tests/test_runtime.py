@@ -816,7 +816,7 @@ def test_unknown_backend_is_an_error(bundle):
 
 
 def test_auto_backend_says_which_it_picked(capsys):
-    from gemma_ane.runtime.backend import pick_backend
+    from gemma_ane.runtime.device import pick_backend
 
     picked = pick_backend("auto")
     assert picked == ("coreml" if platform.system() == "Darwin" else "mil")

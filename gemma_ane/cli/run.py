@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..runtime.audio import SAMPLE_RATE, AudioError, load_audio
+from ..runtime.device import BACKENDS
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
@@ -265,7 +266,6 @@ def _answer(model, convo: list[dict], think: bool, a):
     return answer, ev
 
 
-BACKENDS = ["auto", "coreml", "mil"]
 BACKEND_HELP = "coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil"
 
 

@@ -17,12 +17,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..bundle import BundleError, check_bundle, layout, read_model_config
+from ..bundle import BundleError, layout, open_bundle
 from ..bundle.schema import is_token, read_bundle_json
 from ..errors import InputError
 from . import grammar, prompt_cache
 from .audio import AudioError
-from .backend import open_engine, pick_backend
+from .backend import open_engine
 from .chat import (
     ChatTemplate,
     OutputParser,
@@ -33,6 +33,7 @@ from .chat import (
     escape_strings,
     unused_mark,
 )
+from .device import Device
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_audio_encoder, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
@@ -577,23 +578,17 @@ def load(
     root = Path(bundle)
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
-    problems = check_bundle(root, sha256=verify)
-    if problems:
-        more = len(problems) - 1
-        raise BundleError(
-            problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else "")
-        )
-    backend = pick_backend(backend)
-    # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
-    engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
-    tokenizer = _tokenizer(root / layout.HF_TOKENIZER)
-    generation = _generation_config(root / layout.HF_GENERATION_CONFIG)
-    config = read_model_config(root)
-    drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
-    images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
-    template = _template(root / layout.HF_DIR)
-    model = Model(root, engine, tokenizer, template, generation, config, backend, drafter, images)
-    model.audio = open_audio_encoder(root, backend, precision, compute_units, config)
+    opened = open_bundle(root, verify)  # checked, and model_config.json parsed, once
+    device = Device.of(backend, precision, compute_units)
+    # logits_dtype=None: the sampler reads the head chunk's fp16 logits directly
+    engine = open_engine(opened, device, logits_dtype=None, exact_rope=exact_rope)
+    tokenizer = _tokenizer(opened.tokenizer)
+    generation = _generation_config(opened.generation_config)
+    drafter = open_drafter(opened, device, engine.host)
+    images = open_image_encoder(opened, device, max_image_pixels)
+    template = _template(opened.hf_dir)
+    model = Model(root, engine, tokenizer, template, generation, opened.config.raw, device.backend, drafter, images)
+    model.audio = open_audio_encoder(opened, device)
     return model
 
 

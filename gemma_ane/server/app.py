@@ -42,6 +42,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import GemmaAneError, InputError, as_typed, option_strings
+from ..runtime.device import BACKENDS
 from . import fetch
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
@@ -415,7 +416,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "coreml", "mil"],
+        choices=BACKENDS,
         help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
     )
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
