@@ -18,7 +18,6 @@ from typing import NamedTuple
 import numpy as np
 
 from ..bundle import BundleError, layout, open_bundle
-from ..bundle.schema import is_token, read_bundle_json
 from ..errors import InputError
 from . import grammar, prompt_cache
 from .audio import AudioError
@@ -38,9 +37,10 @@ from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_audio_encoder, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .events import Event, Result, Stats
+from .hf_files import read_generation_config, read_template, read_tokenizer
 from .images import MAX_PIXELS, ImageError
-from .request import Capabilities, GenerationRequest, Prepared, Rule, choice_seed
-from .sampling import FIELDS, GENERATION_CONFIG_FIELDS, Sampler, SamplingError, SamplingParams
+from .request import Capabilities, GenerationRequest, Prepared, Rule, check_argmax_head, choice_seed
+from .sampling import Sampler, SamplingParams
 from .tokens import (
     BOS,
     EOS,
@@ -261,7 +261,7 @@ class Model:
             self.generation, vocab_size=self.config["vocab_size"], **r.sampling
         )
         if not caps.logits:
-            _check_argmax_head(params)
+            check_argmax_head(params)
         stop = check_stop(r.stop)
         tools = check_tools(r.tools) if r.tools is not None else None
         text, rule = self._rule(tools, r, params, caps)
@@ -544,18 +544,6 @@ class Model:
         return r
 
 
-def _check_argmax_head(params: SamplingParams) -> None:
-    """The published layout's head chunk returns only the argmax token: no sampling, bias or logprobs."""
-    if params.logprobs is not None:
-        raise SamplingError("logprobs: this bundle's head returns only the chosen token", param="logprobs")
-    if params.temperature != 0.0 and params.top_k != 1 or params.logit_bias:
-        raise SamplingError(
-            "this bundle's head chunk returns only the argmax token (published layout): "
-            "sampling and logit_bias are not possible; use temperature=0",
-            param="logit_bias" if params.logit_bias else "temperature",
-        )
-
-
 def _conversation(prompt, messages, system) -> list[dict]:
     if messages is not None:
         return messages
@@ -582,59 +570,11 @@ def load(
     device = Device.of(backend, precision, compute_units)
     # logits_dtype=None: the sampler reads the head chunk's fp16 logits directly
     engine = open_engine(opened, device, logits_dtype=None, exact_rope=exact_rope)
-    tokenizer = _tokenizer(opened.tokenizer)
-    generation = _generation_config(opened.generation_config)
+    tokenizer = read_tokenizer(opened.tokenizer)
+    generation = read_generation_config(opened.generation_config)
     drafter = open_drafter(opened, device, engine.host)
     images = open_image_encoder(opened, device, max_image_pixels)
-    template = _template(opened.hf_dir)
+    template = read_template(opened.hf_dir)
     model = Model(root, engine, tokenizer, template, generation, opened.config.raw, device.backend, drafter, images)
     model.audio = open_audio_encoder(opened, device)
     return model
-
-
-def _tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for any file it cannot parse
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BundleError(f"{path}: unreadable tokenizer ({reason})") from None
-
-
-def _generation_config(path: Path) -> dict:
-    """hf_model/generation_config.json (or {} without one), its fields checked here: used at every generation as
-    defaults under the caller's, a bad one would be blamed on a sampling parameter the caller never gave."""
-    if not path.is_file():
-        return {}
-    generation = read_bundle_json(path)
-    rules = {f.name: f for f in FIELDS if f.name in GENERATION_CONFIG_FIELDS}
-    for name, value in generation.items():
-        if name in rules and value is not None:
-            try:
-                rules[name].check(value)
-            except SamplingError as e:
-                raise BundleError(f"{path}: {e}") from None
-    eos = generation.get("eos_token_id", [])
-    if not all(is_token(e) for e in (eos if isinstance(eos, list) else [eos])):
-        raise BundleError(f"{path}: eos_token_id={eos!r:.40}: expected a token id or a list of token ids")
-    return generation
-
-
-def _template(hf: Path) -> ChatTemplate:
-    source = None
-    path = hf / "chat_template.jinja"
-    if path.is_file():
-        try:
-            source = path.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise BundleError(f"{path}: unreadable chat template ({e})") from None
-    cfg = {}
-    if (hf / "tokenizer_config.json").is_file():
-        cfg = read_bundle_json(hf / "tokenizer_config.json")
-        if source is None and isinstance(cfg.get("chat_template"), str):
-            source = cfg["chat_template"]
-    bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
-    return ChatTemplate(
-        source, bos_token=bos if isinstance(bos, str) else "<bos>", eos_token=eos if isinstance(eos, str) else "<eos>"
-    )

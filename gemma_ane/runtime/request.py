@@ -124,3 +124,15 @@ class Rule:
         return grammar.GrammarError(
             f"{self.field}: no token of this tokenizer can continue it {where}", param=self.field
         )
+
+
+def check_argmax_head(params: SamplingParams) -> None:
+    """The published layout's head chunk returns only the argmax token: no sampling, bias or logprobs."""
+    if params.logprobs is not None:
+        raise SamplingError("logprobs: this bundle's head returns only the chosen token", param="logprobs")
+    if params.temperature != 0.0 and params.top_k != 1 or params.logit_bias:
+        raise SamplingError(
+            "this bundle's head chunk returns only the argmax token (published layout): "
+            "sampling and logit_bias are not possible; use temperature=0",
+            param="logit_bias" if params.logit_bias else "temperature",
+        )
