@@ -128,11 +128,9 @@ class Rule:
 
 def check_argmax_head(params: SamplingParams) -> None:
     """The published layout's head chunk returns only the argmax token: no sampling, bias or logprobs."""
+    why = "this bundle's head returns only the chosen token (the published layout's argmax)"
     if params.logprobs is not None:
-        raise SamplingError("logprobs: this bundle's head returns only the chosen token", param="logprobs")
+        raise SamplingError(f"logprobs: {why}", param="logprobs")
     if params.temperature != 0.0 and params.top_k != 1 or params.logit_bias:
-        raise SamplingError(
-            "this bundle's head chunk returns only the argmax token (published layout): "
-            "sampling and logit_bias are not possible; use temperature=0",
-            param="logit_bias" if params.logit_bias else "temperature",
-        )
+        field = "logit_bias" if params.logit_bias else "temperature"
+        raise SamplingError(f"{field}: {why}: sampling and logit_bias are not possible; use temperature=0", param=field)
