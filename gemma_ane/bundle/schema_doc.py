@@ -46,7 +46,7 @@ CHUNK_ENTRY = {
 def _type(annotation: str) -> dict:
     kind = annotation.removesuffix(" | None")
     if kind not in _TYPES:
-        raise TypeError(f"schema_doc: no JSON type for the annotation {annotation!r}")
+        raise TypeError(f"schema_doc: no JSON type for the annotation {annotation!r}")  # internal: a record of ours
     return dict(_TYPES[kind])
 
 

@@ -260,11 +260,11 @@ class Model:
         params = SamplingParams.from_generation_config(
             self.generation, vocab_size=self.config["vocab_size"], **r.sampling
         )
-        if not caps.logits:
-            check_argmax_head(params)
         stop = check_stop(r.stop)
         tools = check_tools(r.tools) if r.tools is not None else None
-        text, rule = self._rule(tools, r, params, caps)
+        text, rule = self._rule(tools, r, params, caps)  # a grammar the argmax head cannot follow: named first
+        if not caps.logits:
+            check_argmax_head(params)
         drafts = self._drafts(r.draft_tokens, rule.constraint, caps)
         if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 0:
             raise InputError(f"max_tokens={r.max_tokens!r}: expected a non-negative integer")
