@@ -976,8 +976,11 @@ def test_serve_passes_its_startup_options_to_the_model(monkeypatch, tmp_path, fl
     import gemma_ane.runtime.model
     from gemma_ane.server import app as server
 
+    class Drafting(FakeModel):
+        max_draft_tokens = 3  # as a bundle with a drafter says: --draft 2 is within it
+
     served = []
-    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: FakeModel([]))
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: Drafting([]))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
     [app] = served
