@@ -67,7 +67,7 @@ MACOS = (15, 0)
 UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 MARKER = "standin.json"
 # our modules that ask platform.system() whether they are on a Mac
-PLATFORM_MODULES = ("gemma_ane.runtime.backend", "gemma_ane.convert.driver", "gemma_ane.convert.options")
+PLATFORM_MODULES = ("gemma_ane.runtime.device", "gemma_ane.convert.driver", "gemma_ane.convert.options")
 
 
 @dataclass

@@ -25,7 +25,8 @@ from gemma_ane.bundle import BundleError
 from gemma_ane.bundle.host import full_mask, sliding_mask
 from gemma_ane.mil.executor import MILPackage
 from gemma_ane.mil.package import Package
-from gemma_ane.runtime.backend import BackendError, CoreMLBackend, pick_backend
+from gemma_ane.runtime.backend import CoreMLBackend
+from gemma_ane.runtime.device import BackendError, pick_backend
 
 FP16 = types.fp16
 

@@ -19,9 +19,9 @@ from test_server_tools import HI, PICK
 
 import gemma_ane
 from gemma_ane.runtime.grammar import response_grammar
+from gemma_ane.runtime.request import choice_seed
 from gemma_ane.runtime.sampling import Sampler, SamplingParams
 from gemma_ane.server.app import build_app, main
-from gemma_ane.server.request import choice_seed
 
 NAME = "tiny"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -114,8 +114,8 @@ def test_an_earlier_call_with_empty_arguments_reads_as_no_arguments(model, scrip
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    seen, prompt_ids = [], model.prompt_ids
-    monkeypatch.setattr(model, "prompt_ids", lambda *a, **kw: seen.append(prompt_ids(*a, **kw)) or seen[-1])
+    seen, prompt_ids = [], model._prompt_ids  # what prepare renders with
+    monkeypatch.setattr(model, "_prompt_ids", lambda *a: seen.append(prompt_ids(*a)) or seen[-1])
     script(model, monkeypatch, "Sunny.<turn|>")
     r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=10)
     assert r.choices[0].message.content == "Sunny."

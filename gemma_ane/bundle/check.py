@@ -246,6 +246,12 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     the runtime cannot use. sha256=True verifies (`check`, `load(verify=True)`): hashes, every file
     listed in the manifest, and a manifest at all, which only the published layout may lack
     (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
+    return checked_bundle(root, sha256)[0]
+
+
+def checked_bundle(root: Path, sha256: bool = True) -> tuple[list[str], dict | None]:
+    """(check_bundle's problems, model_config.json as read_model_config read it, or None when it is unusable):
+    the file parsed once for both, as bundle.open needs them."""
     root = Path(root)
     if not root.is_dir():  # one line, as load and inspect say it, not a "missing" line for every required file
         raise BundleError(f"{root}: not a bundle directory")
@@ -253,12 +259,16 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
     if (root / MANIFEST).exists():
         problems += check_manifest(root, sha256)
-    for check in (chunk_paths, read_model_config):
-        try:
-            check(root)
-        except BundleError as e:
-            problems.append(str(e))
-    problems += _one_function_problems(root)
+    config = None
+    try:
+        chunk_paths(root)
+    except BundleError as e:
+        problems.append(str(e))
+    try:
+        config = read_model_config(root)
+    except BundleError as e:
+        problems.append(str(e))
+    problems += _one_function_problems(root, config) if config is not None else []
     if sha256 and not (root / MANIFEST).exists() and not problems:
         try:
             if not is_published(root):
@@ -266,16 +276,12 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
                 problems.append(f"{root / MANIFEST}: {missing}")
         except BundleError as e:
             problems.append(str(e))
-    return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+    return list(dict.fromkeys(problems)), config  # a file both required and in the manifest: report it once
 
 
-def _one_function_problems(root: Path) -> list[str]:
+def _one_function_problems(root: Path, config: dict) -> list[str]:
     """A bundle whose model_config.json states an assistant or a vision model must hold its package and its
     sidecars (the drafter's head, the vision model's position table)."""
-    try:
-        config = read_model_config(root)
-    except BundleError:
-        return []  # check_bundle has reported it
     missing = [
         package_path(root, name).name for name in ONE_FUNCTION_MODELS if name in config and not model_paths(root, name)
     ]

@@ -235,6 +235,22 @@ def audio_function(frames: int, buckets) -> str:
     return "encode" if frames == max(buckets) else f"encode_{frames}"
 
 
+@dataclass(frozen=True)
+class WeightsConfig:
+    """`weights`: how the chunks' linear weights were compressed, stated when it is not the default (a k-means LUT
+    per group of output rows, nothing kept at fp16). For the record: the chunks carry their weights' format, and
+    the runtime reads none of it. Every field is required."""
+
+    quant: str
+    bits: int
+    group_size: int
+    group_axis: str
+    keep: list[str]
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 ENTRIES = {ASSISTANT: AssistantConfig, VISION: VisionConfig, AUDIO: AudioConfig}  # the one-function models' entries
 
 
@@ -303,7 +319,15 @@ TEXT_FIELDS = {
         lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, dict) and "name" in c for c in v),
     ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
-    "weights": (False, "an object (how linear weights were compressed)", lambda v: isinstance(v, dict)),
+    "weights": (
+        False,
+        "an object: quant, bits, group_size, group_axis, keep (how linear weights were compressed)",
+        lambda v: (
+            isinstance(v, dict)
+            and set(WEIGHTS_FIELDS) <= v.keys()
+            and all(ok(v[k]) for k, (_, ok) in WEIGHTS_FIELDS.items())
+        ),
+    ),
     # the chunks have these baked in; stated for the record, so a value no conversion writes is damage
     "rms_norm_eps": (False, "a positive fp32 number", _scale),
     # null: a checkpoint without one (a bundle converted before to_json left it out)
@@ -312,6 +336,21 @@ TEXT_FIELDS = {
         False,
         '"none", "fp16" or "intN" (N bits, 1 to 8)',
         lambda v: isinstance(v, str) and v in QUANTIZATIONS,
+    ),
+}
+
+# `weights` (WeightsConfig): name -> (what it must be, test); what `convert --quant/--bits/--group-size/--keep` wrote
+WEIGHTS_FIELDS = {
+    "quant": (
+        '"lut" (a k-means LUT per group_size output rows) or "block" (one scale per group_size inputs)',
+        lambda v: v in ("lut", "block"),
+    ),
+    "bits": ("an integer from 1 to 16", lambda v: _integer(v) and 1 <= v <= 16),
+    "group_size": ("a positive integer", _positive),
+    "group_axis": ('"output" (lut) or "input" (block)', lambda v: v in ("output", "input")),
+    "keep": (
+        "a list of regular expressions (weights they match stay fp16)",
+        lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
     ),
 }
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..runtime.audio import load_audio
+from ..runtime.device import BACKENDS
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
@@ -229,7 +230,6 @@ def _summary(last) -> str:
     )
 
 
-BACKENDS = ["auto", "coreml", "mil"]
 BACKEND_HELP = "coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil"
 
 

@@ -142,13 +142,7 @@ def weights_record(options: ConvertOptions) -> dict | None:
     if options.quant == "lut" and not options.keep:
         return None
     axis = {"lut": "output", "block": "input"}[options.quant]
-    return {
-        "quant": options.quant,
-        "bits": options.bits,
-        "group_size": options.group_size,
-        "group_axis": axis,
-        "keep": list(options.keep),
-    }
+    return schema.WeightsConfig(options.quant, options.bits, options.group_size, axis, list(options.keep)).to_json()
 
 
 def manifest_header(src: Path, options: ConvertOptions, plan: ChunkPlan, components: list) -> dict:

@@ -109,8 +109,9 @@ def evaluate(
     """KL divergence, top-1 agreement and perplexities of `bundle` against transformers over the text in
     `text_path` (see the module's docstring for the windows). `context` defaults to the bundle's, `stride` to half
     of it."""
-    from ..bundle import read_model_config
+    from ..bundle import open_bundle
     from ..runtime.backend import open_engine
+    from ..runtime.device import Device
     from .verify import check_pair, oracle_model
 
     if precision not in ("fp32", "fp16"):
@@ -120,10 +121,11 @@ def evaluate(
         raise EvalError(f"--bundle {bundle}: not a bundle directory")
     ckpt = Checkpoint(src)
     ckpt.validate()
-    config = read_model_config(bundle)
+    opened = open_bundle(bundle, check=False)
+    config = opened.config.raw
     check_pair(ckpt, bundle, config)
     text = read_text(text_path)
-    engine = open_engine(bundle, "mil", precision)
+    engine = open_engine(opened, Device.of("mil", precision))
     if engine.head != "logits":
         raise EvalError(f"--bundle {bundle}: its head returns token ids, not logits (the published layout)")
     context = engine.context if context is None else context

@@ -219,8 +219,9 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
-    from ..bundle import read_model_config
+    from ..bundle import open_bundle
     from ..runtime.backend import open_engine
+    from ..runtime.device import Device
 
     if images and audio:
         raise InputError("--image and --audio: verify one kind of media a run")
@@ -233,9 +234,11 @@ def verify_bundle(
     _check_seed(seed)
     ckpt = Checkpoint(src)
     ckpt.validate()
-    check_pair(ckpt, Path(bundle), read_model_config(bundle))  # another checkpoint's bundle: torch's size mismatch
-    engine = open_engine(bundle, "mil", precision)
-    encoder = _media_encoder(bundle, precision, images, audio, max_image_pixels)
+    opened = open_bundle(bundle, check=False)
+    check_pair(ckpt, Path(bundle), opened.config.raw)  # another checkpoint's bundle: torch's size mismatch
+    device = Device.of("mil", precision, "cpu_only")
+    engine = open_engine(opened, device)
+    encoder = _media_encoder(opened, device, images, audio, max_image_pixels)
     prompt_len = _prompt_len(prompt_len, tokens)
     ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
     media = images or audio
@@ -282,21 +285,22 @@ def verify_bundle(
     return report
 
 
-def _media_encoder(bundle, precision: str, images, audio, max_image_pixels: int):
-    """The bundle's encoder for the run's media, on the MIL executor; None for a text run. A bundle without the
+def _media_encoder(bundle, device, images, audio, max_image_pixels: int):
+    """The (opened) bundle's encoder for the run's media, on `device`; None for a text run. A bundle without the
     model the media need is refused in one line."""
-    from ..bundle import read_model_config
     from ..runtime.encoder import open_audio_encoder, open_image_encoder
 
     if images:
-        encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle), max_image_pixels)
+        encoder = open_image_encoder(bundle, device, max_image_pixels)
         if encoder is None:
-            raise InputError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
+            raise InputError(f"--image: {bundle.root} has no vision model (converted with --no-vision, or text-only)")
         return encoder
     if audio:
-        encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
+        encoder = open_audio_encoder(bundle, device)
         if encoder is None:
-            raise InputError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
+            raise InputError(
+                f"--audio: {bundle.root} has no audio model (converted with --no-audio, or without a tower)"
+            )
         return encoder
     return None
 

@@ -11,8 +11,6 @@ Torch-free: this is the runtime side.
 
 from __future__ import annotations
 
-import logging
-import platform
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,23 +18,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..bundle import layout
-from ..bundle.check import chunk_paths
 from ..bundle.errors import BundleError
 from ..bundle.interfaces import Interface, one_function_interfaces, read_interfaces
 from ..bundle.ladder import rung_function, rungs_of, split_rung
-from ..bundle.schema import read_model_config
+from ..bundle.opened import Bundle
 from ..bundle.tables import check_norm_sidecar, check_rope, load_host
-from ..errors import DeviceError
+from .device import COMPUTE_UNITS, BackendError, Device
 from .engine import Engine, FunctionUnavailable
 from .ladder import ladder_of
-
-log = logging.getLogger(__name__)
-BACKENDS = ("auto", "coreml", "mil")
-COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
-
-
-class BackendError(BundleError, DeviceError):
-    """A backend that cannot be opened here, or a chunk it cannot run; the message says which."""
 
 
 class ChunkBackend(Protocol):
@@ -242,39 +231,22 @@ class CoreMLFunction:
         return self.model.predict(cast_inputs(self.interfaces[function], inputs))
 
 
-def open_one_function(
-    root: Path, name: str, function: str, what: str, backend: str, precision: str, compute_units: str
-):
-    """A bundle's one-function model `name` (assistant, vision), as its .mlpackage or compiled .mlmodelc, run by
-    the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
-    found = layout.model_paths(root, name)
+def open_one_function(bundle: Bundle, name: str, function: str, what: str, device: Device):
+    """A bundle's one-function model `name` (assistant, vision, audio), as its .mlpackage or compiled .mlmodelc, run
+    by the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
+    found = layout.model_paths(bundle.root, name)
     if not found:
-        raise BundleError(f"{layout.package_path(root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
-    if pick_backend(backend) == "mil":
-        return MILBackend(found[0], precision)
-    return CoreMLFunction(found[0], name, compute_units, one_function_interfaces(found[0], name, function))
+        raise BundleError(f"{layout.package_path(bundle.root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
+    if device.backend == "mil":
+        return MILBackend(found[0], device.precision)
+    return CoreMLFunction(found[0], name, device.compute_units, one_function_interfaces(found[0], name, function))
 
 
-def pick_backend(backend: str) -> str:
-    """`auto` is Core ML on macOS and the MIL executor elsewhere (and says which it picked)."""
-    if backend not in BACKENDS:
-        raise BackendError(f"backend={backend!r}: choose {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = "coreml" if platform.system() == "Darwin" else "mil"
-        log.info("backend: %s (%s)", backend, "Core ML" if backend == "coreml" else "MIL executor")
-    if backend == "coreml" and platform.system() != "Darwin":
-        # said in words both a CLI user (--backend mil) and a Python caller (backend="mil") act on
-        raise BackendError("backend coreml: Core ML prediction needs macOS; choose backend mil (the MIL executor)")
-    return backend
-
-
-def open_chunks(
-    paths: list[Path], backend: str, precision: str = "fp16", compute_units: str = "cpu_and_ne"
-) -> list[ChunkBackend]:
-    """One backend per chunk package, in order; `backend` is "mil" or "coreml" (see pick_backend)."""
-    if backend == "mil":
-        return [MILBackend(p, precision) for p in paths]
-    return [CoreMLBackend(p, compute_units) for p in paths]
+def open_chunks(paths: list[Path], device: Device) -> list[ChunkBackend]:
+    """One backend per chunk package, in order, on `device`."""
+    if device.backend == "mil":
+        return [MILBackend(p, device.precision) for p in paths]
+    return [CoreMLBackend(p, device.compute_units) for p in paths]
 
 
 def carried_together(chunks: list[ChunkBackend]) -> None:
@@ -303,37 +275,29 @@ def carried_together(chunks: list[ChunkBackend]) -> None:
         )
 
 
-def open_engine(
-    root: str | Path,
-    backend: str = "mil",
-    precision: str = "fp16",
-    compute_units: str = "cpu_and_ne",
-    logits_dtype=np.float32,
-    exact_rope: bool = True,
-) -> Engine:
-    """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
-    sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
-    read off the models themselves, so bundles converted elsewhere open too."""
-    root = Path(root)
-    config = read_model_config(root)
+def open_engine(bundle: Bundle, device: Device, logits_dtype=np.float32, exact_rope: bool = True) -> Engine:
+    """The step driver over an opened bundle: its chunks run on `device`, its sidecars read by the host. Everything
+    about the chunks (context, window, prompt paths, head) is read off the models themselves, so bundles converted
+    elsewhere open too."""
+    root, config = bundle.root, bundle.config.raw
     check_norm_sidecar(root, config)
     # model_config.json states the chunks of any other layout than the published three (schema.TextConfig.of)
-    expected = len(config.get("chunks", ())) or 3
-    paths = chunk_paths(root)
-    if len(paths) != expected:
+    expected = len(bundle.config.text.chunks or ()) or 3
+    if len(bundle.chunks) != expected:
         last = layout.chunk_name(expected - 1)
-        raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
-    chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
+        raise BundleError(
+            f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(bundle.chunks)} chunks"
+        )
+    chunks = open_chunks(bundle.chunks, device)
     carried_together(chunks)
     # a context ladder's engine starts on its smallest rung (runtime.ladder)
     ladder = ladder_of(chunks)
     if ladder is not None:
         chunks = ladder.chunks(ladder.contexts[0])
     # a ring padded for verify batches is wider than the window, which only the config states
+    window = bundle.config.text.sliding_window
     try:
-        engine = Engine.from_chunks(
-            chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"), ladder=ladder
-        )
+        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=window, ladder=ladder)
     except ValueError as e:  # chunks wired in an order the engine cannot drive
         raise BundleError(f"{root}: {e}") from None
     check_rope(root, engine.host, engine.context, exact_rope)

@@ -17,16 +17,17 @@ Torch-free: this is the runtime side.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
 from ..bundle import BundleError, layout
 from ..bundle.host import full_mask, sliding_mask
+from ..bundle.opened import Bundle
 from ..bundle.plan import kv_name
 from ..bundle.spec import FULL, SLIDING
 from ..bundle.tables import HostTables, RowTable, read_small
 from .backend import open_one_function
+from .device import Device
 from .sampling import Proposal
 
 FUNCTION = "draft"
@@ -105,23 +106,20 @@ class Drafter:
         return Proposal(np.arange(self.vocab), logits, None, self.vocab), carry
 
 
-def open_drafter(
-    root: str | Path, backend: str, precision: str, compute_units: str, host: HostTables, config: dict
-) -> Drafter | None:
+def open_drafter(bundle: Bundle, device: Device, host: HostTables) -> Drafter | None:
     """The bundle's drafter, or None when model_config.json states no assistant. `draft` loads at the first step
     (FunctionUnavailable there when the device refuses it: the runtime then decodes without drafts)."""
-    if "assistant" not in config:
+    a, root = bundle.config.assistant, bundle.root
+    if a is None:
         return None
-    root = Path(root)
-    package = open_one_function(root, "assistant", FUNCTION, "an assistant", backend, precision, compute_units)
-    a = config["assistant"]
+    package = open_one_function(bundle, "assistant", FUNCTION, "an assistant", device)
     head = None
-    if a["num_centroids"]:
-        V, Ha = config["vocab_size"], a["hidden_size"]
+    if a.num_centroids:
+        V, Ha = bundle.config.text.vocab_size, a.hidden_size
         ordering = read_small(root / layout.ASSISTANT_TOKEN_ORDERING, "<i4", (V,))
         if not np.array_equal(np.sort(ordering), np.arange(V)):
             raise BundleError(f"{root / layout.ASSISTANT_TOKEN_ORDERING}: not a permutation of the {V} token ids")
         scales = read_small(root / layout.ASSISTANT_EMBED_SCALES, "<f2", (V,)).astype(np.float32) / 127
         rows = RowTable(root / layout.ASSISTANT_EMBED_Q8, np.int8, (V, Ha))
-        head = CentroidHead(rows, scales, ordering, a["num_centroids"], a["centroid_top_k"])
-    return Drafter(package, host, config, head)
+        head = CentroidHead(rows, scales, ordering, a.num_centroids, a.centroid_top_k)
+    return Drafter(package, host, bundle.config.raw, head)

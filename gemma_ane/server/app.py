@@ -5,9 +5,10 @@ streamed) and fetch (remote images).
 
 One engine per process: the caches hold one conversation, so a single worker thread runs the
 generations one at a time, in arrival order, from a bounded queue (a full queue answers 429), and
-the model's prefix reuse carries from one request to the next. Requests are checked, tokenised and
-their grammar compiled before they queue (server_request.prepare, Model.prepare), so a bad one fails at
-once instead of after waiting its turn, and the worker only runs them.
+the model's prefix reuse carries from one request to the next. A body is parsed once into the runtime's
+GenerationRequest (server_request.parse_request); once the queue has room for it, Model.prepare checks it,
+renders it and compiles its grammar (server_request.prepare), so a bad one fails at once instead of after waiting
+its turn, and the worker only runs the Prepared it made (each of n choices from the one Prepared).
 
 Images come as OpenAI's image_url parts holding data: URLs; the server decodes the base64 once and checks each
 file's size and its header's pixel count (Pillow, the `vision` extra) before the request queues. Started with
@@ -42,6 +43,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import GemmaAneError, InputError, as_typed, option_strings
+from ..runtime.device import BACKENDS
 from . import fetch, page
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
@@ -236,7 +238,7 @@ def build_app(
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
-    vocab = Vocab(model.tokenizer, getattr(model, "stop_ids", ()))
+    vocab = Vocab(model.tokenizer, model.stop_ids)
     started = int(time.time())
 
     def authorize(request) -> None:
@@ -285,11 +287,8 @@ def build_app(
             urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
             fetched = await fetcher(urls) if urls else {}
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
-            await run_in_threadpool(prepare, model, req)
-            rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-            score = (req.prompt_ids, req.logprobs) if req.echo and req.logprobs is not None else None
-            job = Job(rid, req.kwargs, asyncio.get_running_loop(), req.choices, score)
-            if not worker.submit(job):
+            # the queue before any work per request: a full one refuses it before its prompt is rendered
+            if not worker.admit():
                 raise APIError(
                     429,
                     f"the queue is full ({max_queue} requests waiting); retry shortly",
@@ -297,6 +296,15 @@ def build_app(
                     code="queue_full",
                     headers={"Retry-After": "1"},
                 )
+            try:
+                await run_in_threadpool(prepare, model, req)
+            except BaseException:
+                worker.release()
+                raise
+            rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            score = (req.prompt_ids, req.logprobs) if req.echo and req.logprobs is not None else None
+            job = Job(rid, req.prepared, asyncio.get_running_loop(), req.n, score)
+            worker.run(job)
             return Generation(job, Render(req, rid, model_name, vocab))
 
         return generate
@@ -447,7 +455,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "coreml", "mil"],
+        choices=BACKENDS,
         help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
     )
     p.add_argument("--no-webui", action="store_true", help="no chat page on / (then / is 404)")

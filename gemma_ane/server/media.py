@@ -38,7 +38,7 @@ class ImageLimits:
     def max_body(self, model) -> int:
         """The default body limit: text, plus max_images files as base64 when the model takes images, plus
         MAX_AUDIOS clips' (audio_limit) when it takes audio."""
-        images = 0 if getattr(model, "images", None) is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
+        images = 0 if model.images is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
         return TEXT_BODY + images + MAX_AUDIOS * 4 * -(-audio_limit(model) // 3)
 
 
@@ -54,7 +54,7 @@ def check_images(messages: list[dict], model, limits: ImageLimits, fetched: dict
     ]
     if not found:
         return
-    if getattr(model, "images", None) is None:
+    if model.images is None:
         where = found[0][2]
         raise APIError(400, f"{where}: this model takes no images (its bundle has no vision model)", param=where)
     if len(found) > limits.max_images:
@@ -98,7 +98,7 @@ AUDIO_HEADER = 65_536
 
 def audio_limit(model) -> int:
     """The largest audio file a request may send this model, in bytes: 0 when it has no audio model."""
-    encoder = getattr(model, "audio", None)
+    encoder = model.audio
     return 0 if encoder is None else int(encoder.max_seconds * AUDIO_BYTES_PER_SECOND) + AUDIO_HEADER
 
 
@@ -116,7 +116,7 @@ def check_audios(messages: list[dict], model) -> None:
     ]
     if not found:
         return
-    encoder = getattr(model, "audio", None)
+    encoder = model.audio
     if encoder is None:
         where = found[0][3]
         raise APIError(400, f"{where}: this bundle has no audio model (converted without one)", param=where)
@@ -144,7 +144,7 @@ def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
     """The http(s) image URLs of a chat request to fetch before it is checked: none unless remote images are on,
     the model takes images and the request holds no more than max_images (it is refused otherwise)."""
     messages = body.get("messages")
-    if not limits.remote_images or getattr(model, "images", None) is None or not isinstance(messages, list):
+    if not limits.remote_images or model.images is None or not isinstance(messages, list):
         return []
     urls, images = [], 0
     for m in messages:

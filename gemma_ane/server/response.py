@@ -11,7 +11,7 @@ import time
 
 from ..runtime.tokens import TokenBytes
 from .errors import APIError, error_of
-from .request import Request
+from .request import APIRequest
 from .worker import END, Echo, Job
 
 
@@ -65,7 +65,7 @@ class Render:
     the emitted text: a token's go out with the text (or reasoning, or call) it released, so a token whose
     text never comes out (a turn's end, a stop string, a character or call cut short) reports none."""
 
-    def __init__(self, req: Request, rid: str, model_name: str, vocab: Vocab):
+    def __init__(self, req: APIRequest, rid: str, model_name: str, vocab: Vocab):
         self.req, self.id, self.model, self.vocab = req, rid, model_name, vocab
         self.chat = req.kind == "chat"
         self.created = int(time.time())
