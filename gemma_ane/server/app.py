@@ -44,7 +44,7 @@ from ..errors import GemmaAneError, InputError, as_typed, option_strings
 from . import fetch
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
-from .request import parse_request, prepare
+from .request import decode_media, parse_request, prepare
 from .response import Generation, Render, Vocab, send_json
 from .worker import Job, Worker
 
@@ -241,6 +241,15 @@ def build_app(
             )
         return JSONResponse(model_card())
 
+    def queue_full() -> APIError:
+        return APIError(
+            429,
+            f"the queue is full ({max_queue} requests waiting); retry shortly",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
@@ -251,17 +260,15 @@ def build_app(
             fetched = await fetcher(urls) if urls else {}
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
             await run_in_threadpool(prepare, model, req)
+            if req.audio_tokens:  # clips are decoded only for a request that fits the context and the queue
+                if worker.full:
+                    raise queue_full()
+                await run_in_threadpool(decode_media, model, req)
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             score = (req.prompt_ids, req.logprobs) if req.echo and req.logprobs is not None else None
             job = Job(rid, req.kwargs, asyncio.get_running_loop(), req.choices, score)
             if not worker.submit(job):
-                raise APIError(
-                    429,
-                    f"the queue is full ({max_queue} requests waiting); retry shortly",
-                    type="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                )
+                raise queue_full()
             return Generation(job, Render(req, rid, model_name, vocab))
 
         return generate

@@ -9,7 +9,7 @@ from ..runtime.chat import ChatError, StopError, check_stop
 from ..runtime.sampling import FIELDS, SamplingError, SamplingParams
 from ..runtime.tools import ToolError, check_tool_choice, check_tools
 from .errors import APIError, error_of
-from .media import ImageLimits, check_audios, check_images
+from .media import ImageLimits, check_audios, check_images, decode_audios
 
 _JSON_NAMES = {
     bool: "a boolean",
@@ -36,7 +36,8 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
     return value
 
 
-def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
+def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> tuple[list[dict], int]:
+    """The checked messages, and the tokens their audio clips add to the prompt (check_audios)."""
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -63,8 +64,7 @@ def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dic
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
     check_images(out, model, limits, fetched)
-    check_audios(out, model)
-    return out
+    return out, check_audios(out, model)
 
 
 def _part(part, where: str) -> dict:
@@ -177,6 +177,7 @@ class Request:
         self.n, self.echo = n, echo
         self.choices = [kwargs]
         self.prompt_tokens = 0
+        self.audio_tokens = 0  # what the audio clips add to the prompt, from their headers (check_audios)
         self.prompt_ids: list[int] = []
         self.prompt_text = ""  # what echo repeats
 
@@ -236,9 +237,9 @@ def parse_request(
     sampling = {
         f.name: _field(body, f.name, NUMBER if f.kind is float else f.kind) for f in FIELDS if f.name != "logprobs"
     }
-    kwargs = {"stop": _stop(body)}
+    kwargs, audio_tokens = {"stop": _stop(body)}, 0
     if kind == "chat":
-        kwargs["messages"] = _messages(body, model, limits, fetched or {})
+        kwargs["messages"], audio_tokens = _messages(body, model, limits, fetched or {})
         kwargs["enable_thinking"] = _thinking(body)
         kwargs.update(_tooling(body, model, kwargs["enable_thinking"]))
         want = _field(body, "logprobs", bool, False)
@@ -277,6 +278,7 @@ def parse_request(
     if echo and logprobs is not None and not hasattr(model, "prompt_logprobs"):
         raise APIError(400, "echo: this model cannot report its prompt's logprobs", param="echo")
     req = Request(kind, kwargs, stream, include_usage, logprobs, n, echo)
+    req.audio_tokens = audio_tokens
     req.prompt_text = kwargs["prompt"] if echo else ""
     return req
 
@@ -334,15 +336,24 @@ def prepare(model, req: Request) -> None:
         raise APIError(400, str(e), param=e.param or field) from None
     except ValueError as e:  # images the bundle cannot take, a bundle that cannot sample: as the worker reports them
         raise error_of(e) from None
-    if len(ids) > model.context:
+    n = len(ids) + req.audio_tokens  # audio counted from the headers: no clip is decoded yet
+    if n > model.context:
+        audio = " (audio included)" if req.audio_tokens else ""
         raise APIError(
             400,
-            f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
+            f"the prompt is {n} tokens{audio}, more than the model's context of {model.context}",
             param=param,
             code="context_length_exceeded",
         )
     req.prompt_tokens = len(ids)
     req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+
+
+def decode_media(model, req: Request) -> None:
+    """The request's audio clips decoded into every choice (media.decode_audios): the costly half of checking
+    them, run once the request is known to fit the context and the queue."""
+    if req.audio_tokens:
+        decode_audios(req.choices, model)
 
 
 def _choice(build, kw: dict, index: int) -> dict:

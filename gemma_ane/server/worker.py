@@ -68,6 +68,12 @@ class Worker:
     def waiting(self) -> int:
         return self._admitted - (self.current is not None)
 
+    @property
+    def full(self) -> bool:
+        """Whether submit would refuse a job now: asked before costly work on a request that may not queue."""
+        with self._lock:
+            return self._admitted > self.max_queue
+
     def submit(self, job: Job) -> bool:
         with self._lock:
             if self._admitted > self.max_queue:
