@@ -121,7 +121,10 @@ def is_within(path: str | Path, root: str | Path) -> bool:
         target = os.stat(root)
     except OSError:
         return False
-    resolved = Path(path).resolve()
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links leads nowhere, so not below `root`
+        return False
     for p in (resolved, *resolved.parents):
         try:
             if os.path.samestat(os.stat(p), target):
