@@ -8,9 +8,10 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from ..files import FileFormatError, read_json_object, sha256_file, tree_size
+from ..files import FileFormatError, is_within, read_json_object, sha256_file, tree_size
 from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
 from ..mil.program import ProgramError
 from .errors import BundleError
@@ -57,7 +58,9 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
             problems.append(f"{path}: refuses file entry {rel!r} outside the bundle")
             continue
         size = entry.get("size") if isinstance(entry, dict) else None
-        if not p.is_file():
+        if not is_within(p, root):  # a symbolic link out: its bytes are not the bundle's
+            problems.append(f"{p}: lies outside the bundle ({os.path.realpath(p)})")
+        elif not p.is_file():
             problems.append(f"{p}: missing")
         elif p.stat().st_size != size:
             problems.append(f"{p}: size {p.stat().st_size}, manifest says {size}")
@@ -269,6 +272,11 @@ def checked_bundle(root: Path, sha256: bool = True) -> tuple[list[str], dict | N
     except BundleError as e:
         problems.append(str(e))
     problems += _one_function_problems(root, config) if config is not None else []
+    for package in sorted(root.glob(f"*{PACKAGE}")):  # the files each package names, as a load reads them
+        try:
+            Package.open(package).check_files()
+        except PackageError as e:
+            problems.append(str(e))
     if sha256 and not (root / MANIFEST).exists() and not problems:
         try:
             if not is_published(root):

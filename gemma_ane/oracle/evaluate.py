@@ -24,6 +24,7 @@ import numpy as np
 from ..bundle import layout
 from ..convert.checkpoint import Checkpoint
 from ..errors import InputError
+from ..files import read_regular
 from ..runtime.tokens import BOS
 
 ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
@@ -76,13 +77,17 @@ def _reference_logits(model, ids: np.ndarray, rows: int) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
+MAX_TEXT_BYTES = 1 << 26  # 64 MiB: fifty times wikitext-103's test split, days of scoring
+
+
 def read_text(path) -> str:
+    """The text of `path`: a regular file (a FIFO or a device is refused, never waited on or read to its end) of
+    at most MAX_TEXT_BYTES, in UTF-8."""
+    data = read_regular(path, MAX_TEXT_BYTES, EvalError, f"--text {path}: cannot read")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise EvalError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise EvalError(f"--text {path}: cannot read ({e.strerror or e})") from None
     if not text.strip():
         raise EvalError(f"--text {path}: empty text")
     return text

@@ -47,7 +47,7 @@ from ..runtime.device import BACKENDS
 from . import fetch, page
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
-from .request import parse_request, prepare
+from .request import decode_media, parse_request, prepare
 from .response import Generation, Render, Vocab, send_json
 from .worker import Job, Worker
 
@@ -278,6 +278,15 @@ def build_app(
             )
         return JSONResponse(model_card())
 
+    def queue_full() -> APIError:
+        return APIError(
+            429,
+            f"the queue is full ({max_queue} requests waiting); retry shortly",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
@@ -289,15 +298,11 @@ def build_app(
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
             # the queue before any work per request: a full one refuses it before its prompt is rendered
             if not worker.admit():
-                raise APIError(
-                    429,
-                    f"the queue is full ({max_queue} requests waiting); retry shortly",
-                    type="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                )
+                raise queue_full()
             try:
                 await run_in_threadpool(prepare, model, req)
+                # clips are decoded only for a request that fits the context and holds its place in the queue
+                await run_in_threadpool(decode_media, model, req)
             except BaseException:
                 worker.release()
                 raise

@@ -8,7 +8,7 @@ import io
 import sys
 
 from ..errors import InputError
-from ..runtime.audio import AudioError, input_audio_bytes, load_audio
+from ..runtime.audio import AudioError, input_audio_bytes, load_audio, probe_audio
 from ..runtime.images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from . import fetch
 from .errors import APIError
@@ -102,11 +102,13 @@ def audio_limit(model) -> int:
     return 0 if encoder is None else int(encoder.max_seconds * AUDIO_BYTES_PER_SECOND) + AUDIO_HEADER
 
 
-def check_audios(messages: list[dict], model) -> None:
-    """Replaces each input_audio part by {"type": "audio", "audio": its samples (float32 at 16 kHz)}, decoded
-    once here by the runtime's reader (the runtime takes the samples as they are; its cache is keyed by their full
-    hash), once the request is within every limit: the model hears, the clips' count, where they stand, then each
-    file's format field, base64, size, and its sound (audio, not silent, no longer than the largest bucket)."""
+def check_audios(messages: list[dict], model) -> int:
+    """Checks each input_audio part, once the request is within every limit: the model hears, the clips' count,
+    where they stand, then each file's format field against its first bytes, base64, size, and its header (a
+    container and encoding read, the rate, the channels, no longer than the largest bucket), without decoding a
+    sample. Each part becomes {"type": "audio", "audio": the file's bytes}, for decode_audios once the request is
+    known to fit the context and the queue. Returns the tokens the clips add to the prompt, as their headers state
+    them: each clip's soft tokens and its begin and end tokens, in place of its one placeholder."""
     found = [
         (m["content"], i, j, f"messages[{i}].content[{j}]")
         for i, m in enumerate(messages)
@@ -115,7 +117,7 @@ def check_audios(messages: list[dict], model) -> None:
         if p["type"] == "input_audio"
     ]
     if not found:
-        return
+        return 0
     encoder = model.audio
     if encoder is None:
         where = found[0][3]
@@ -127,17 +129,36 @@ def check_audios(messages: list[dict], model) -> None:
         why = media_not_here(messages, i, "audio")
         if why:
             raise APIError(400, f"{where}: {why}; send audio in user messages", param=where)
-    limit = audio_limit(model)
+    limit, tokens = audio_limit(model), 0
     for content, _, j, where in found:
         try:
             data = input_audio_bytes(content[j].get("input_audio"), f"{where}.input_audio")
             if len(data) > limit:
                 message = f"{where}: the audio file is {len(data)} bytes, more than the limit of {limit}"
                 raise APIError(413, message, param=where, code="audio_too_large")
-            samples = load_audio(data, where, encoder.max_seconds)
+            tokens += probe_audio(data, where, encoder.max_seconds).soft_tokens + 1
         except AudioError as e:
             raise APIError(400, str(e), param=where) from None
-        content[j] = {"type": "audio", "audio": samples}
+        content[j] = {"type": "audio", "audio": data}
+    return tokens
+
+
+def decode_audios(prepared, model):
+    """Decodes each clip check_audios passed (bounded: runtime.audio) into float32 samples at 16 kHz, once, into a
+    prepared request's media (Model.prepare's `sources`; every choice of it shares them), so the worker gets the
+    samples as they are (the runtime's cache is keyed by their full hash). A clip whose data fails past its header
+    is a 400 naming its part."""
+
+    def samples(where: str, source):
+        if not isinstance(source, bytes):
+            return source
+        try:
+            return load_audio(source, where, model.audio.max_seconds)
+        except AudioError as e:
+            raise APIError(400, str(e), param=where) from None
+
+    sources = [(kind, where, samples(where, s) if kind == "audio" else s) for kind, where, s in prepared.sources]
+    return dataclasses.replace(prepared, sources=sources)
 
 
 def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:

@@ -9,7 +9,7 @@ from ..errors import GemmaAneError
 from ..runtime.request import GenerationRequest, Prepared
 from ..runtime.sampling import FIELDS
 from .errors import APIError, error_of
-from .media import ImageLimits, check_audios, check_images
+from .media import ImageLimits, check_audios, check_images, decode_audios
 
 _JSON_NAMES = {
     bool: "a boolean",
@@ -36,7 +36,8 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
     return value
 
 
-def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
+def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> tuple[list[dict], int]:
+    """The checked messages, and the tokens their audio clips add to the prompt (check_audios)."""
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -63,8 +64,7 @@ def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dic
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
     check_images(out, model, limits, fetched)
-    check_audios(out, model)
-    return out
+    return out, check_audios(out, model)
 
 
 def _part(part, where: str) -> dict:
@@ -170,6 +170,7 @@ class APIRequest:
         self.n, self.echo = n, echo
         self.prepared: Prepared | None = None
         self.prompt_tokens = 0
+        self.audio_tokens = 0  # what the audio clips add to the prompt, from their headers (check_audios)
         self.prompt_ids: list[int] = []
         self.prompt_text = generation.prompt if echo else ""  # what echo repeats
 
@@ -221,8 +222,9 @@ def parse_request(
     sampling = {
         f.name: _field(body, f.name, NUMBER if f.kind is float else f.kind) for f in FIELDS if f.name != "logprobs"
     }
+    audio_tokens = 0
     if kind == "chat":
-        messages, thinking = _messages(body, model, limits, fetched or {}), _thinking(body)
+        (messages, audio_tokens), thinking = _messages(body, model, limits, fetched or {}), _thinking(body)
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int)
         if top is not None and not want:
@@ -246,7 +248,9 @@ def parse_request(
         stop=body.get("stop"),
         sampling={**sampling, "logprobs": logprobs},
     )
-    return APIRequest(kind, generation, stream, include_usage, logprobs, n, echo)
+    req = APIRequest(kind, generation, stream, include_usage, logprobs, n, echo)
+    req.audio_tokens = audio_tokens
+    return req
 
 
 def _tooling(body: dict) -> dict:
@@ -277,12 +281,21 @@ def prepare(model, req: APIRequest) -> None:
             error.param = error.param or default
         raise error from None
     ids = prepared.ids
-    if len(ids) > model.context:
+    n = len(ids) + req.audio_tokens  # audio counted from the headers: no clip is decoded yet
+    if n > model.context:
+        audio = " (audio included)" if req.audio_tokens else ""
         raise APIError(
             400,
-            f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
+            f"the prompt is {n} tokens{audio}, more than the model's context of {model.context}",
             param=default,
             code="context_length_exceeded",
         )
     req.prepared, req.prompt_tokens = prepared, len(ids)
     req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+
+
+def decode_media(model, req: APIRequest) -> None:
+    """The request's audio clips decoded into its prepared media (media.decode_audios): the costly half of checking
+    them, run once the request is known to fit the context and holds its place in the queue."""
+    if req.audio_tokens:
+        req.prepared = decode_audios(req.prepared, model)
