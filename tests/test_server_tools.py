@@ -336,12 +336,17 @@ def test_json_schema_output_parses_and_follows_the_schema(real):
         assert type(value["age"]) is int and 0 <= value["age"] <= 150
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "pick"}}, "required"])
-def test_a_forced_tool_call(real, choice):
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [({"type": "function", "function": {"name": "pick"}}, {}), ("required", {"parallel_tool_calls": False})],
+)
+def test_a_forced_tool_call(real, choice, parallel):
+    """A named choice is one call with parallel_tool_calls at its default (issue 44: the model called it until the
+    token limit ran out, finish "length"); "required" follows parallel_tool_calls."""
     free = real.chat.completions.create(model=NAME, messages=HI, tools=[PICK], max_tokens=15, temperature=0)
     assert free.choices[0].message.tool_calls is None  # the random model calls nothing by itself
     r = real.chat.completions.create(
-        model=NAME, messages=HI, tools=[PICK], tool_choice=choice, parallel_tool_calls=False, temperature=0
+        model=NAME, messages=HI, tools=[PICK], tool_choice=choice, temperature=0, **parallel
     )
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     ((name, arguments),) = calls_of(r.choices[0].message)
