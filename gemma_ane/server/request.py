@@ -176,9 +176,11 @@ class Request:
         self.include_usage, self.logprobs = include_usage, logprobs
         self.n, self.echo = n, echo
         self.choices = [kwargs]
+        self.prompts = [kwargs.get("prompt")]  # a completion's batch: n choices each, in order
         self.prompt_tokens = 0
         self.prompt_ids: list[int] = []
         self.prompt_text = ""  # what echo repeats
+        self.echo_from = 1  # the first of prompt_ids echo repeats: a text prompt's <bos> is the server's own
 
 
 MAX_N = 16  # choices in one request: each is a whole generation, run one after another
@@ -249,12 +251,10 @@ def parse_request(
         kwargs["max_tokens"] = _max_tokens(body, ("max_completion_tokens", "max_tokens"), model.context)
         lp_param = "top_logprobs"
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # the legacy API takes a batch; one prompt is all this server runs
-        if not isinstance(prompt, str):
-            raise APIError(400, "prompt: expected a string", param="prompt")
-        kwargs.update(prompt=prompt, raw=True)
+        prompts = _prompts(body, model)
+        if echo and len(prompts) > 1:
+            raise APIError(400, f"echo: one prompt a request (a batch of {len(prompts)} was given)", param="echo")
+        kwargs.update(prompt=prompts[0], raw=True)
         logprobs = _field(body, "logprobs", int)
         # with echo, max_tokens=0 asks for the prompt alone (its logprobs: what a loglikelihood evaluation reads)
         kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16, least=0 if echo else 1)  # the API's default
@@ -277,8 +277,32 @@ def parse_request(
     if echo and logprobs is not None and not hasattr(model, "prompt_logprobs"):
         raise APIError(400, "echo: this model cannot report its prompt's logprobs", param="echo")
     req = Request(kind, kwargs, stream, include_usage, logprobs, n, echo)
-    req.prompt_text = kwargs["prompt"] if echo else ""
+    if kind == "completion":
+        req.prompts, req.n = prompts, n * len(prompts)
+        if echo and not isinstance(prompts[0], str):  # a prompt of ids is echoed whole, as its tokens' text
+            req.prompt_text, req.echo_from = model.tokenizer.decode(prompts[0], skip_special_tokens=False), 0
+        elif echo:
+            req.prompt_text = prompts[0]
     return req
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _prompts(body: dict, model) -> list:
+    """OpenAI's `prompt`: a string, a list of token ids, or a batch (a list) of either; each id in the vocabulary."""
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _token_ids(p) for p in prompts):
+        raise APIError(400, "prompt: expected a string, a list of token ids, or a list of either", param="prompt")
+    vocab = model.config["vocab_size"]
+    for i, p in enumerate(prompts):
+        bad = [] if isinstance(p, str) else [t for t in p if not 0 <= t < vocab]
+        if bad:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where}: token id {bad[0]} is not in the vocabulary (0..{vocab - 1})", param="prompt")
+    return prompts
 
 
 def _tooling(body: dict, model, thinking: bool) -> dict:
@@ -324,7 +348,16 @@ def prepare(model, req: Request) -> None:
         else:
             prepared = build(**kw)
             ids, req.kwargs = prepared.ids, {"request": prepared}
-        req.choices = [req.kwargs] + [_choice(build, kw, i) for i in range(1, req.n)]
+        # a batch's prompt k runs choices k*per .. k*per+per-1, seeded as one prompt's n choices are
+        per = req.n // len(req.prompts)
+        req.choices = [req.kwargs] + [
+            _choice(build, {**kw, "prompt": req.prompts[i // per]} if i >= per else kw, i % per)
+            for i in range(1, req.n)
+        ]
+        if build is not None and len(req.prompts) > 1:  # every prompt counted and checked, once each
+            lengths = [c["request"].ids for c in req.choices[::per]]
+            ids = max(lengths, key=len)
+            req.prompt_tokens = sum(map(len, lengths))
     except ChatError as e:
         raise APIError(400, str(e), param=e.param or param) from None  # TooDeep names the field; error_of agrees
     except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
@@ -341,8 +374,8 @@ def prepare(model, req: Request) -> None:
             param=param,
             code="context_length_exceeded",
         )
-    req.prompt_tokens = len(ids)
-    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+    req.prompt_tokens = req.prompt_tokens if len(req.prompts) > 1 else len(ids)
+    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids; or the ids given
 
 
 def _choice(build, kw: dict, index: int) -> dict:
