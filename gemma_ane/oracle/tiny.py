@@ -412,9 +412,11 @@ def build_model(preset: str, seed: int = 0, shape: dict | None = None):
             audio_config=audio,
             eos_token_id=[1, 106],
             tie_word_embeddings=True,
-            **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
-            **(AUDIO_TOKEN_IDS if runs else {}),
-            **shape.get("token_ids", {}),
+            **{
+                **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
+                **(AUDIO_TOKEN_IDS if runs else {}),
+                **shape.get("token_ids", {}),
+            },
         )
 
     model = Gemma4ForConditionalGeneration(config(VISION)).eval()
