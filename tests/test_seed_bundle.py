@@ -65,6 +65,10 @@ def test_the_mixed_bundle_matches_transformers_on_the_mil_executor(tiny_e2b, mix
 
     report = verify_bundle(tiny_e2b, mixed_packages, tokens=24)
     assert report["passed"], report
+    # a bundle without a manifest whose config has no head: CoreML-LLM's files, not a bundle of ours that lost it
+    assert check_bundle(mixed_packages) == []
+    model = gemma_ane.load(mixed_packages, backend="mil")
+    assert model.generate("Once upon a time", raw=True, temperature=0.9, seed=3, max_tokens=4).finish_reason
 
 
 def test_the_seed_bundle_samples_through_core_ml(seed_bundle, mixed_packages, standin):
