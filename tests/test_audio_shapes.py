@@ -42,6 +42,7 @@ SHAPES = {
 }
 SOFT_TOKEN_ERR = 3e-3  # relative to the soft tokens' largest value
 TEXT_MIN_COSINE = 0.9995
+LOGIT_ERR = 0.25
 ALL_MIN_COSINE = 0.99
 SECONDS = (0.3, 0.5, 0.9)  # 8, 13 and 23 soft tokens: mid-block ends in every chunk size above
 
@@ -100,8 +101,9 @@ def test_prompts_with_a_clip_match_transformers_at_every_position(shaped, clip):
     report = verify_bundle(ckpt, bundle, tokens=16, prompt_len=6, precision="fp32", audio=[clips[clip]])
     text = report["text_positions"]
     # the soft tokens' fp16-weight error (above) reaches the text rows: measured min cosine 0.99987 on the
-    # one-layer shape, where issue 44's broken prompts read -0.17; every text row's argmax equal
-    assert text["top1_agreement"] == 1.0 and text["min_cosine"] >= TEXT_MIN_COSINE, report
+    # one-layer shape, where issue 44's broken prompts read -0.17; argmaxes equal wherever the reference's margin
+    # exceeds twice the logits' error (measured max |logit diff| 0.23; the broken prompts missed by 7.1)
+    assert text["max_miss_gap"] <= 2 * LOGIT_ERR and text["min_cosine"] >= TEXT_MIN_COSINE, report
     # every position, the clip's own rows too (measured 0.9945: their logits feed nothing, their margins are small)
     assert report["min_cosine"] >= ALL_MIN_COSINE, report
 
