@@ -148,7 +148,7 @@ def test_a_client_gone_during_its_prompt_frees_the_worker():
     loop = asyncio.new_event_loop()
     model = SlowPrefill(THOUGHT)
     worker = Worker(model, max_queue=4)
-    first, second = Job("first", model.prepare("Hi"), loop), Job("second", model.prepare("Hi"), loop)
+    first, second = Job("first", [model.prepare("Hi")], loop), Job("second", [model.prepare("Hi")], loop)
     try:
         assert worker.submit(first) and worker.submit(second)
         time.sleep(0.2)

@@ -11,7 +11,7 @@ runtime reads it through these modules alone:
 Opening a bundle to run it (`backend.open_engine`) stands on these; nothing here runs a model.
 """
 
-from .check import check_bundle, check_manifest, inspect_bundle, is_published, prompt_paths
+from .check import check_bundle, check_manifest, converted_elsewhere, inspect_bundle, is_published, prompt_paths
 from .errors import BundleError
 from .layout import ONE_FUNCTION_MODELS, bundle_files, chunk_paths
 from .opened import Bundle, BundleConfig, open_bundle
@@ -33,6 +33,7 @@ __all__ = [
     "chunk_paths",
     "inspect_bundle",
     "is_published",
+    "converted_elsewhere",
     "load_host",
     "load_npy",
     "open",

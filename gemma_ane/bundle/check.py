@@ -15,7 +15,7 @@ from ..files import FileFormatError, is_within, read_json_object, sha256_file, t
 from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
 from ..mil.program import ProgramError
 from .errors import BundleError
-from .interfaces import one_function_interfaces, read_interfaces
+from .interfaces import METADATA, one_function_interfaces, read_interfaces
 from .ladder import rung_function, rungs_of, split_rung
 from .layout import (
     ASSISTANT_SIDECARS,
@@ -247,8 +247,8 @@ def _inspect_compiled(path: Path, function: str | None = None) -> dict:
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     """Every problem with a bundle, one line each: files missing or damaged, a model_config.json
     the runtime cannot use. sha256=True verifies (`check`, `load(verify=True)`): hashes, every file
-    listed in the manifest, and a manifest at all, which only the published layout may lack
-    (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
+    listed in the manifest, and a manifest at all, which only a bundle converted elsewhere may lack
+    (`converted_elsewhere`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
     return checked_bundle(root, sha256)[0]
 
 
@@ -277,14 +277,32 @@ def checked_bundle(root: Path, sha256: bool = True) -> tuple[list[str], dict | N
             Package.open(package).check_files()
         except PackageError as e:
             problems.append(str(e))
+    problems += _compiled_problems(root)
     if sha256 and not (root / MANIFEST).exists() and not problems:
         try:
-            if not is_published(root):
+            if not converted_elsewhere(root):
                 missing = "missing (gemma-ane convert writes one; without it nothing can be verified)"
                 problems.append(f"{root / MANIFEST}: {missing}")
         except BundleError as e:
             problems.append(str(e))
     return list(dict.fromkeys(problems)), config  # a file both required and in the manifest: report it once
+
+
+def _compiled_problems(root: Path) -> list[str]:
+    """A compiled chunk whose metadata.json cannot be read, or contradicts model_config.json (one without one
+    states nothing to check)."""
+    try:
+        paths = chunk_paths(root)
+    except BundleError:
+        return []  # check_bundle has reported it
+    problems = []
+    for path in paths:
+        if path.suffix == COMPILED and (path / METADATA).is_file():
+            try:
+                read_interfaces(path)
+            except BundleError as e:
+                problems.append(str(e))
+    return problems
 
 
 def _one_function_problems(root: Path, config: dict) -> list[str]:
@@ -301,16 +319,24 @@ def _one_function_problems(root: Path, config: dict) -> list[str]:
 
 
 def is_published(root: Path) -> bool:
-    """The published layout (CONTRACT §2, §4): no manifest, and chunk_3 is the argmax head. Our
-    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose
-    manifest is gone is not mistaken for it."""
+    """The published layout (CONTRACT §2, §4): no manifest, and the last chunk is the argmax head (as its package
+    or its compiled metadata.json states it; a compiled chunk without one, as the model config says). Our
+    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose manifest is
+    gone is not mistaken for it."""
     root = Path(root)
     if (root / MANIFEST).exists():
         return False
-    last = chunk_paths(root)[-1]
-    if last.suffix == COMPILED:  # a compiled chunk states nothing: the model config says (as published_plan)
-        return read_model_config(root).get("head", "token_id") == "token_id"
     try:
-        return "logits" not in Package.open(last).interface("infer")["outputs"]
+        return "logits" not in read_interfaces(chunk_paths(root)[-1])["infer"]["outputs"]
     except PackageError as e:
         raise BundleError(str(e)) from None
+    except KeyError:
+        raise BundleError(f"{chunk_paths(root)[-1]}: no infer function") from None
+
+
+def converted_elsewhere(root: Path) -> bool:
+    """A bundle that may lack a manifest: the published layout, or one assembled from CoreML-LLM's files (its
+    model_config.json has no `head`, a key our converter always writes), such as the seed's own bundle: its
+    argmax-era chunks with a logits head."""
+    root = Path(root)
+    return not (root / MANIFEST).exists() and ("head" not in read_model_config(root) or is_published(root))

@@ -215,15 +215,16 @@ def cmd_inspect(a):
 
 
 def cmd_check(a):
-    from ..bundle import check_bundle, is_published
+    from ..bundle import check_bundle, converted_elsewhere, is_published
 
     problems = check_bundle(a.bundle, sha256=True)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
         return 1
-    if is_published(a.bundle):  # check_bundle lets only the published layout go without a manifest
-        print(f"{a.bundle}: not verifiable: no manifest (the published layout has none); required files present")
+    if converted_elsewhere(a.bundle):  # check_bundle lets only such a bundle go without a manifest
+        who = "the published layout" if is_published(a.bundle) else "a bundle of CoreML-LLM's model config"
+        print(f"{a.bundle}: not verifiable: no manifest ({who} has none); required files present")
         return 3
     print(f"{a.bundle}: ok (the manifest lists every file; sizes and sha256 match)")
     return 0

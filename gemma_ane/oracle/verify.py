@@ -134,6 +134,17 @@ def random_ids(spec: ModelSpec, n: int, seed: int, avoid=()) -> np.ndarray:
     return ids
 
 
+def placeholder_ids(root) -> tuple[int, ...]:
+    """The ids Gemma4ForConditionalGeneration takes for media placeholders wherever they stand (image, video,
+    audio: get_placeholder_mask), embedding the pad token there. Random text must not draw one: transformers
+    would read a text token as a placeholder with no media behind it, so the prompt compared would not be the
+    bundle's (the text rows after it differ, cosine below 0, whatever the audio or image path does)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(root)
+    return tuple(getattr(config, f"{kind}_token_id") for kind in ("image", "video", "audio"))
+
+
 def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int, prompt_logits: str = "all") -> np.ndarray:
     """Prompt through the prefill path (logits at every prompt row; with "last", as generation runs it: KV-only
     batches where they fit, the last row's logits only), then teacher-forced decoding."""
@@ -240,7 +251,8 @@ def verify_bundle(
     engine = open_engine(opened, device)
     encoder = _media_encoder(opened, device, images, audio, max_image_pixels)
     prompt_len = _prompt_len(prompt_len, tokens)
-    ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
+    avoid = (*encoder.token_ids, *placeholder_ids(ckpt.root)) if encoder else ()
+    ids = random_ids(ckpt.spec, tokens, seed, avoid=avoid)
     media = images or audio
     soft = [encoder.encode(item, f"{encoder.kind} {i + 1}") for i, item in enumerate(media)]
     ids, prompt_len = _with_images(ids, prompt_len, soft, encoder)

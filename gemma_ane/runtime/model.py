@@ -11,7 +11,7 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,7 +52,7 @@ from .tokens import (
     TURN_CLOSE,
     ControlTokens,
 )
-from .tools import check_tool_choice, check_tools, prepare_messages
+from .tools import check_tool_choice, check_tools, parallel_calls, prepare_messages
 
 
 class Step(NamedTuple):
@@ -170,10 +170,20 @@ class Model:
                 raise InputError("give a prompt or messages")
             if system or tools:
                 raise InputError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
+            if isinstance(prompt, list):  # token ids (OpenAI's completions take them): the prompt as given, no <bos>
+                return self._token_ids(prompt)
             return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
         check_text(prompt, "prompt")
         check_text(system, "system")
         return self._chat_ids(_conversation(prompt, messages, system), True, enable_thinking, tools)
+
+    def _token_ids(self, ids: list) -> list[int]:
+        vocab = self.config["vocab_size"]
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if not ids or bad is not None:
+            found = "an empty list" if not ids else repr(bad)
+            raise InputError(f"prompt: token ids must be integers from 0 to {vocab - 1}, found {found}")
+        return list(ids)
 
     def chat_ids(
         self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False, tools=None
@@ -262,6 +272,10 @@ class Model:
         )
         stop = check_stop(r.stop)
         tools = check_tools(r.tools) if r.tools is not None else None
+        # a named choice is one call; required and auto follow parallel_tool_calls (tools.parallel_calls)
+        r = replace(
+            r, parallel_tool_calls=parallel_calls(check_tool_choice(r.tool_choice, tools), r.parallel_tool_calls)
+        )
         text, rule = self._rule(tools, r, params, caps)  # a grammar the argmax head cannot follow: named first
         if not caps.logits:
             check_argmax_head(params)
@@ -300,10 +314,12 @@ class Model:
         declarations, rendered by the chat template; the calls the model makes come back on Event.tool_calls,
         and a turn that ends in calls finishes with "tool_calls". tool_choice: "auto", "none" (the model cannot
         open a call), "required" or a function's name (the output is forced to be calls, by constrained
-        decoding). response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also
-        enforced by constrained decoding. draft_tokens: speculative decoding with the bundle's drafter, K drafts
-        per verify call (default: `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for
-        token; sampled output follows the same distribution. Constrained generations decode one token at a time.
+        decoding; a named function is called once, "required" and "auto" follow parallel_tool_calls).
+        response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by
+        constrained decoding. prompt: text, or with raw=True a list of token ids (as given). draft_tokens:
+        speculative decoding with the bundle's drafter, K drafts per verify call (default: `self.draft_tokens`;
+        0 off). Greedy output is the plain greedy output token for token; sampled output follows the same
+        distribution. Constrained generations decode one token at a time.
         The sampling fields (sampling.FIELDS) as keywords. request: one `prepare` made, instead of all these.
         cancelled: a callable asked during the prompt's processing (between its steps and prefill batches); once
         it returns true, Cancelled is raised, so a caller that has gone stops costing host time before the first

@@ -5,6 +5,8 @@ each checked there once) before it queues; every error the runtime raises reache
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import GemmaAneError
 from ..runtime.request import GenerationRequest, Prepared
 from ..runtime.sampling import FIELDS
@@ -168,11 +170,13 @@ class APIRequest:
         self.kind, self.generation, self.stream = kind, generation, stream
         self.include_usage, self.logprobs = include_usage, logprobs
         self.n, self.echo = n, echo
-        self.prepared: Prepared | None = None
+        self.prepared: list[Prepared] = []  # one a prompt: a completion may send a batch (n choices each, in order)
+        self.prompts: list = [generation.prompt]
         self.prompt_tokens = 0
         self.audio_tokens = 0  # what the audio clips add to the prompt, from their headers (check_audios)
         self.prompt_ids: list[int] = []
         self.prompt_text = generation.prompt if echo else ""  # what echo repeats
+        self.echo_from = 1  # the first of prompt_ids echo repeats: a text prompt's <bos> is the server's own
 
 
 MAX_N = 16  # choices in one request: each is a whole generation, run one after another
@@ -233,12 +237,10 @@ def parse_request(
         text = {"messages": messages, "enable_thinking": thinking, **_tooling(body)}
         max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), model.context)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # the legacy API takes a batch; one prompt is all this server runs
-        if not isinstance(prompt, str):
-            raise APIError(400, "prompt: expected a string", param="prompt")
-        text = {"prompt": prompt, "raw": True}
+        prompts = _prompts(body, model)
+        if echo and len(prompts) > 1:
+            raise APIError(400, f"echo: one prompt a request (a batch of {len(prompts)} was given)", param="echo")
+        text = {"prompt": prompts[0], "raw": True}
         logprobs = _field(body, "logprobs", int)
         # with echo, max_tokens=0 asks for the prompt alone (its logprobs: what a loglikelihood evaluation reads)
         max_tokens = _max_tokens(body, ("max_tokens",), 16, least=0 if echo else 1)  # the API's default
@@ -250,7 +252,30 @@ def parse_request(
     )
     req = APIRequest(kind, generation, stream, include_usage, logprobs, n, echo)
     req.audio_tokens = audio_tokens
+    if kind == "completion":
+        req.prompts, req.n = prompts, n * len(prompts)
+        if echo and not isinstance(prompts[0], str):  # a prompt of ids is echoed whole, as its tokens' text
+            req.prompt_text, req.echo_from = model.tokenizer.decode(prompts[0], skip_special_tokens=False), 0
     return req
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _prompts(body: dict, model) -> list:
+    """OpenAI's `prompt`: a string, a list of token ids, or a batch (a list) of either; each id in the vocabulary."""
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _token_ids(p) for p in prompts):
+        raise APIError(400, "prompt: expected a string, a list of token ids, or a list of either", param="prompt")
+    vocab = model.config["vocab_size"]
+    for i, p in enumerate(prompts):
+        bad = [] if isinstance(p, str) else [t for t in p if not 0 <= t < vocab]
+        if bad:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where}: token id {bad[0]} is not in the vocabulary (0..{vocab - 1})", param="prompt")
+    return prompts
 
 
 def _tooling(body: dict) -> dict:
@@ -272,7 +297,7 @@ def prepare(model, req: APIRequest) -> None:
     named as this endpoint's client spells the field."""
     default = "messages" if req.kind == "chat" else "prompt"
     try:
-        prepared = model.prepare(req.generation)
+        req.prepared = [model.prepare(replace(req.generation, prompt=p)) for p in req.prompts]
     except (ValueError, GemmaAneError) as e:
         error = error_of(e)
         if req.kind == "chat" and error.param == "logprobs":  # named as this endpoint's client spelled it
@@ -280,7 +305,7 @@ def prepare(model, req: APIRequest) -> None:
         if error.status < 500:
             error.param = error.param or default
         raise error from None
-    ids = prepared.ids
+    ids = max((p.ids for p in req.prepared), key=len)  # the longest of a batch decides
     n = len(ids) + req.audio_tokens  # audio counted from the headers: no clip is decoded yet
     if n > model.context:
         audio = " (audio included)" if req.audio_tokens else ""
@@ -290,12 +315,12 @@ def prepare(model, req: APIRequest) -> None:
             param=default,
             code="context_length_exceeded",
         )
-    req.prepared, req.prompt_tokens = prepared, len(ids)
-    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+    req.prompt_tokens = sum(len(p.ids) for p in req.prepared)  # a batch's prompts, each counted
+    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids; or the ids given
 
 
 def decode_media(model, req: APIRequest) -> None:
     """The request's audio clips decoded into its prepared media (media.decode_audios): the costly half of checking
     them, run once the request is known to fit the context and holds its place in the queue."""
     if req.audio_tokens:
-        req.prepared = decode_audios(req.prepared, model)
+        req.prepared = [decode_audios(p, model) for p in req.prepared]

@@ -21,10 +21,11 @@ class Echo(list):
 
 
 class Job:
-    """One request: its Prepared generation and how many choices to run from it (choice i: Model.choice, made in
-    the worker, after the queue admitted the job), a cancel flag the worker checks between tokens (the runtime,
-    between the prompt's steps and prefill batches), and the asyncio queue its items come back on: (choice index,
-    event) pairs, an error, END. `score`: (prompt ids, top) to report the prompt's logprobs first, as an Echo."""
+    """One request: its Prepared generations (one a prompt: a completion may send a batch) and how many choices to
+    run in all, n a prompt in order (choice i: Model.choice, made in the worker, after the queue admitted the job), a
+    cancel flag the worker checks between tokens (the runtime, between the prompt's steps and prefill batches), and
+    the asyncio queue its items come back on: (choice index, event) pairs, an error, END. `score`: (prompt ids, top)
+    to report the prompt's logprobs first, as an Echo."""
 
     def __init__(
         self,
@@ -154,7 +155,8 @@ class Worker:
 
     def _choice(self, job: Job, index: int) -> None:
         tokens = 0
-        prepared = self.model.choice(job.prepared, index)
+        per = job.n // len(job.prepared)  # a batch's prompt k runs choices k*per .. k*per+per-1
+        prepared = self.model.choice(job.prepared[index // per], index % per)
         # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
         events = self.model.stream_generate(request=prepared, cancelled=job.cancelled.is_set)
         try:
