@@ -196,7 +196,7 @@ def test_a_full_queue_refuses_before_any_clip_is_decoded(monkeypatch):
     from gemma_ane.server.worker import Worker
 
     decoded = watch_decoding(monkeypatch)
-    monkeypatch.setattr(Worker, "full", property(lambda self: True))
+    monkeypatch.setattr(Worker, "admit", lambda self: False)
     model = fake()
     with serving(model) as http:
         r = ask(http, text("a"), part(CLIP))
