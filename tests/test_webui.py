@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,30 +31,34 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def serving(bundle: Path, *flags: str):
-    """`gemma-ane serve BUNDLE` on a free loopback port until the block ends; yields its URL."""
+    """`gemma-ane serve BUNDLE` on a free loopback port until the block ends; yields its URL and the file its log
+    goes to (a file, not a pipe: a pipe nobody reads would stall the server once full)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "gemma_ane", "serve", str(bundle), "--backend", "mil", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited: {proc.stderr.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("serve did not answer /health in 120 s")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "serve.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                if proc.poll() is not None:
+                    raise AssertionError(f"serve exited: {log.read_text()[-2000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("serve did not answer /health in 120 s")
+            yield url, log
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def server(demo_bundle16):
-    with serving(demo_bundle16) as url:
+    with serving(demo_bundle16) as (url, _):
         yield url
 
 
@@ -122,7 +127,7 @@ def test_the_page_is_served_with_a_policy_and_not_with_no_webui(server, demo_bun
     assert httpx.post(f"{server}/v1/chat/completions", json=ask, headers=own).status_code == 200  # its own page
     rebound = {"Origin": f"http://evil.example:{port}", "Host": f"evil.example:{port}"}  # a name resolving here
     assert httpx.post(f"{server}/v1/chat/completions", json=ask, headers=rebound).status_code == 403
-    with serving(demo_bundle16, "--no-webui") as bare:
+    with serving(demo_bundle16, "--no-webui") as (bare, _):
         assert httpx.get(bare).status_code == 404
         assert httpx.get(f"{bare}/v1/models").status_code == 200
 
@@ -264,7 +269,7 @@ def test_failures_show_one_message_and_keep_the_conversation(page, tmp_path):
 
 
 def test_an_api_key_is_asked_for_then_used(browser, demo_bundle16):
-    with serving(demo_bundle16, "--api-key", "sesame") as url:
+    with serving(demo_bundle16, "--api-key", "sesame") as (url, _):
         context = browser.new_context(bypass_csp=True)
         pg = context.new_page()
         pg.goto(url)

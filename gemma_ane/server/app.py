@@ -371,6 +371,7 @@ def serve(
     allow_fetch_from=(),
     allow_origins=(),
     webui: bool = True,
+    served_model_name: str | None = None,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -384,6 +385,8 @@ def serve(
     if max_queue < 0:
         raise InputError(f"max_queue={max_queue}: must be >= 0")
     # checked before loading
+    if served_model_name is not None and not (0 < len(served_model_name) <= 256 and served_model_name.isprintable()):
+        raise InputError(f"--served-model-name {served_model_name!r:.60}: expected 1 to 256 printable characters")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     allow_origins = check_origins(allow_origins)
     _check_listen(host, port)
@@ -399,7 +402,7 @@ def serve(
         log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
     app = build_app(
         model,
-        model_name=Path(bundle).resolve().name,
+        model_name=served_model_name or Path(bundle).resolve().name,
         api_key=api_key,
         max_queue=max_queue,
         allow_origins=allow_origins,
@@ -449,6 +452,7 @@ def _cmd_serve(a) -> int:
         allow_fetch_from=a.allow_fetch_from,
         allow_origins=a.allow_origin,
         webui=not a.no_webui,
+        served_model_name=a.served_model_name,
     )
     return 0
 
@@ -462,6 +466,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=BACKENDS,
         help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
+    )
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="the model id clients see and send (default: the bundle's folder)"
     )
     p.add_argument("--no-webui", action="store_true", help="no chat page on / (then / is 404)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")

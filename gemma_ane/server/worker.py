@@ -169,3 +169,14 @@ class Worker:
                     return
         finally:
             events.close()
+        log.info(  # one line a choice: what an operator reads to see the cache and the speeds at work
+            "%s: choice %d: prompt %d tokens (%d reused, %.1f tok/s), generated %d (%.1f tok/s), finish %s",
+            job.id,
+            index,
+            ev.prompt_tokens,
+            ev.reused_tokens,
+            ev.prefill_tokens_per_s,
+            ev.generated_tokens,
+            ev.decode_tokens_per_s,
+            ev.finish_reason,
+        )
