@@ -3,6 +3,8 @@ line in the server's log (prompt, reused, generated tokens and both speeds)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from test_webui import serving
@@ -19,7 +21,12 @@ def test_a_served_model_name_and_a_log_line_a_request(demo_bundle16):
         r = httpx.post(f"{url}/v1/chat/completions", json={**body, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["model"] == "gemma-demo"
         usage = r.json()["usage"]
-        line = next(x for x in log.read_text().splitlines() if ": choice 0: prompt " in x)
+        for _ in range(100):  # the worker logs once the generation has closed: a moment after the answer went out
+            lines = [x for x in log.read_text().splitlines() if ": choice 0: prompt " in x]
+            if lines:
+                break
+            time.sleep(0.1)
+        line = lines[0]
     assert f"prompt {usage['prompt_tokens']} tokens ({usage['prompt_tokens_details']['cached_tokens']} reused" in line
     assert f"generated {usage['completion_tokens']} (" in line and line.endswith("finish stop")
 
