@@ -15,6 +15,7 @@ from ..mil.package import Package, PackageError, macs, weight_bytes, weight_form
 from ..mil.program import ProgramError
 from .errors import BundleError
 from .interfaces import one_function_interfaces, read_interfaces
+from .ladder import rung_function, rungs_of, split_rung
 from .layout import (
     ASSISTANT_SIDECARS,
     COMPILED,
@@ -29,7 +30,7 @@ from .layout import (
     not_a_checkpoint,
     package_path,
 )
-from .plan import device_cost
+from .plan import WIRED_PER_WEIGHT_BYTE, device_cost
 from .schema import ASSISTANT, VISION, read_bundle_json, read_model_config
 
 
@@ -87,7 +88,7 @@ def prompt_paths(chunks: list[dict]) -> dict:
     stateful = [c for c in chunks if c["functions"].get("infer", {}).get("inputs", {}).get("current_pos")]
     paths = {}
     for fname in stateful[0]["functions"] if stateful else []:
-        if fname.startswith("verify_b"):
+        if split_rung(fname)[1].startswith("verify_b"):
             continue  # decoding's speculative step, never a prompt's (CONTRACT §3)
         fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
         if any(f["macs_per_token"] is None for f in fns):
@@ -113,6 +114,8 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
         chunks.append(entry)
     report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
     report["device_cost"] = device_cost(_chunk_weights(c) for c in chunks)
+    if chunks and len(rungs_of(chunks[0]["functions"])) > 1:
+        report["rungs"] = rung_report(chunks)
     # the one-function models, costed as the chunks' functions: what a draft step or an image pays
     for name, function in ONE_FUNCTION_MODELS.items():
         path = next(iter(model_paths(root, name)), None)
@@ -121,6 +124,44 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
+
+
+def rung_report(chunks: list[dict]) -> list[dict]:
+    """Per rung of a context ladder (bundle.ladder), from the saved programs: the bytes one decoded token reads
+    (every chunk's infer weights; its KV states, each read at least once; the caches handed to later chunks), the
+    state memory, and what the rung's functions wire with only that rung loaded. None where a compiled chunk
+    cannot be read back."""
+    rungs = rungs_of(chunks[0]["functions"])
+    report = []
+    for context in rungs:
+        mine = [
+            {f: io for f, io in c["functions"].items() if (split_rung(f)[0] or rungs[-1]) == context} for c in chunks
+        ]
+        infer = [m[rung_function("infer", context, rungs[-1])] for m in mine]
+        states = sum(_bytes(t) for c, io in zip(chunks, infer) for t in io.get("states", c["states"]).values())
+        hand_off = sum(_bytes(t) for io in infer for n, t in io["outputs"].items() if n.startswith("kv"))
+        known = all(io["weight_bytes"] is not None for m in mine for io in m.values())
+        weights = sum(io["weight_bytes"] for io in infer) if known else None
+        wired = sum(io["weight_bytes"] for m in mine for io in m.values()) * WIRED_PER_WEIGHT_BYTE if known else None
+        report.append(
+            {
+                "context": context,
+                "weight_bytes": weights,
+                "kv_bytes": states,
+                "hand_off_bytes": hand_off,
+                "bytes_per_token": weights + states + hand_off if known else None,
+                "state_bytes": states,
+                "wired_bytes": round(wired) if known else None,
+            }
+        )
+    return report
+
+
+def _bytes(t: dict) -> int:
+    n = {"float16": 2, "float32": 4, "int32": 4}.get(t["dtype"], 2)
+    for d in t["shape"]:
+        n *= d
+    return n
 
 
 def _planned_layers(manifest: dict) -> dict:
@@ -168,6 +209,8 @@ def _inspect_package(path: Path) -> dict:
             "weight_bytes": weight_bytes(fn),
             "macs_per_token": _macs(pkg, fname, fn) // T,
         }
+        if io["states"] != entry["states"]:  # a context ladder's smaller rung (bundle.ladder): its own states
+            entry["functions"][fname]["states"] = io["states"]
     return entry
 
 
@@ -193,6 +236,8 @@ def _inspect_compiled(path: Path, function: str | None = None) -> dict:
             "weight_bytes": None,  # unknown: the program is compiled
             "macs_per_token": None,
         }
+        if io["states"] != entry["states"]:
+            entry["functions"][fname]["states"] = io["states"]
     return entry
 
 

@@ -42,8 +42,10 @@ def stated_interfaces(path: Path) -> dict[str, Interface]:
     if chunk is None or not isinstance(chunk.get("functions"), dict) or "infer" not in chunk["functions"]:
         raise BundleError(f"{path}: {where} states no interface with an infer function for {name}")
     states = chunk.get("states", {})
+    # a context ladder's smaller rungs (bundle.ladder) state their own states
     return {
-        f: {"inputs": io["inputs"], "outputs": io["outputs"], "states": states} for f, io in chunk["functions"].items()
+        f: {"inputs": io["inputs"], "outputs": io["outputs"], "states": io.get("states", states)}
+        for f, io in chunk["functions"].items()
     }
 
 

@@ -43,6 +43,7 @@ class TextConfig:
     global_head_dim: int | None = None
     vocab_size: int
     context_length: int | None = None
+    contexts: list[int] | None = None  # a context ladder's rungs (bundle.ladder), the last context_length
     sliding_window: int | None = None
     per_layer_dim: int
     num_kv_shared_layers: int | None = None
@@ -80,6 +81,7 @@ class TextConfig:
             global_head_dim=spec.head_dim_of(FULL),
             vocab_size=spec.vocab_size,
             context_length=plan.context,
+            contexts=list(plan.contexts) or None,
             sliding_window=plan.window,
             per_layer_dim=spec.per_layer_dim,
             num_kv_shared_layers=spec.num_kv_shared_layers,
@@ -122,7 +124,7 @@ class TextConfig:
                 raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
         for name, (what, ok) in TEXT_RELATIONS.items():
             if name in config and not ok(config[name], config):
-                what += f" {config['num_hidden_layers']}"
+                what = what.format(**config)
                 raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
         return cls(**{f.name: config.get(f.name) for f in fields(cls)})
 
@@ -288,6 +290,11 @@ TEXT_FIELDS = {
         f"a positive integer, at most {MAX_CONTEXT}",
         lambda v: _positive(v) and v <= MAX_CONTEXT,
     ),
+    "contexts": (
+        False,
+        f"ascending multiples of 32, at most {MAX_CONTEXT}",
+        lambda v: _ascending(v) and len(v) >= 2 and v[-1] <= MAX_CONTEXT and all(c % 32 == 0 for c in v),
+    ),
     "prefill_batch": (False, "a positive integer", _positive),
     "split": (False, "ascending layer indices", _ascending),
     "chunks": (
@@ -312,12 +319,16 @@ TEXT_FIELDS = {
 # must be, test of the value given the whole config)
 TEXT_RELATIONS = {
     "layer_types": (
-        "one per layer, as many as num_hidden_layers",
+        "one per layer, as many as num_hidden_layers {num_hidden_layers}",
         lambda v, c: len(v) == c["num_hidden_layers"],
     ),
     "split": (
-        "boundaries up to num_hidden_layers",
+        "boundaries up to num_hidden_layers {num_hidden_layers}",
         lambda v, c: v[-1] <= c["num_hidden_layers"],
+    ),
+    "contexts": (
+        "rungs whose largest is the context_length",
+        lambda v, c: "context_length" in c and v[-1] == c["context_length"],
     ),
 }
 

@@ -224,6 +224,7 @@ def _summary(last) -> str:
             if last.tokens_per_verify
             else ""
         )
+        + "".join(f" | climbed: {c}" for c in last.crossings)
         + f" | finish: {last.finish_reason}"
     )
 

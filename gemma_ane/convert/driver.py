@@ -184,13 +184,14 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     try:
         plan = ChunkPlan.build(
             ckpt.spec,
-            options.context,
+            options.contexts[-1] if options.contexts else options.context,
             options.prefill_batch,
             options.split,
             head="token_id" if options.layout == "published" else "logits",
             kv_batches=kv,
             draft_tokens=options.draft_tokens if options.assistant else 0,
             functions=options.carried,
+            contexts=options.contexts,
         )
     except ConfigError as e:
         raise ConvertError(str(e)) from None

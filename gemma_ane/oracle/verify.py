@@ -274,6 +274,8 @@ def verify_bundle(
         report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), full)[first:])
     if prompt_path == "generate":
         report["prompt_functions"] = functions
+    if engine.crossings:  # a context ladder's rungs, climbed as the positions grew
+        report["crossings"] = [c.describe() for c in engine.crossings]
     # a clip's own rows' logits are never read: its K/V are, by every text row after it, so audio prompts are
     # judged on the text rows (their logits at the clip's rows have margins under fp16's error on the tiny presets)
     report["passed"] = passed({"precision": precision, **report["text_positions"]} if audio else report)

@@ -23,10 +23,12 @@ from ..bundle import layout
 from ..bundle.check import chunk_paths
 from ..bundle.errors import BundleError
 from ..bundle.interfaces import Interface, one_function_interfaces, read_interfaces
+from ..bundle.ladder import rung_function, rungs_of, split_rung
 from ..bundle.schema import read_model_config
 from ..bundle.tables import check_norm_sidecar, check_rope, load_host
 from ..errors import DeviceError
 from .engine import Engine, FunctionUnavailable
+from .ladder import ladder_of
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "coreml", "mil")
@@ -46,13 +48,16 @@ class ChunkBackend(Protocol):
     - `load(function)`: make a function ready to run. `infer` is ready once the backend is open;
       the others (CONTRACT §3: optional) may be loaded on first use, and a device that cannot load
       one raises FunctionUnavailable;
-    - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
-      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
+    - `make_state(function)`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
+      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk; `function` ("infer" unless
+      a context ladder's rung is meant: `ctx{C}_infer`) decides its shapes;
     - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
       float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name;
     - `read_state(state, name)` / `write_state(state, name, array)`: one state's contents as a
       numpy array of its declared dtype, and back (Core ML: `MLState.read_state/write_state`,
-      coremltools >= 9), for snapshots of the caches.
+      coremltools >= 9), for snapshots of the caches;
+    - `release(functions)`: forget those loaded functions (a ladder's rung left behind), whose wired weights
+      a device then frees.
     """
 
     name: str
@@ -60,13 +65,15 @@ class ChunkBackend(Protocol):
 
     def load(self, function: str) -> None: ...
 
-    def make_state(self) -> Any: ...
+    def make_state(self, function: str = "infer") -> Any: ...
 
     def predict(self, function: str, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
 
     def read_state(self, state: Any, name: str) -> np.ndarray: ...
 
     def write_state(self, state: Any, name: str, array: np.ndarray) -> None: ...
+
+    def release(self, functions: list[str]) -> None: ...
 
 
 def cast_inputs(interface: Interface, inputs: dict) -> dict:
@@ -93,8 +100,8 @@ class MILBackend:
     def load(self, function: str) -> None:
         function_of(self, function)  # the executor loaded every function with the package
 
-    def make_state(self):
-        return self.package.make_state()
+    def make_state(self, function: str = "infer"):
+        return self.package.functions[function].make_state() if function_of(self, function)["states"] else None
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         io = function_of(self, function)
@@ -105,6 +112,15 @@ class MILBackend:
 
     def write_state(self, state, name: str, array: np.ndarray) -> None:
         state.arrays[name][...] = array
+
+    def release(self, functions: list[str]) -> None:
+        """Nothing to free: the executor's functions share one copy of the weights, loaded with the package."""
+
+
+def smallest_infer(interfaces: dict[str, Interface]) -> str:
+    """The infer function of a chunk's smallest rung (bundle.ladder): `infer` itself unless it carries a ladder."""
+    rungs = rungs_of(interfaces)
+    return rung_function("infer", rungs[0], rungs[-1])
 
 
 def open_mlmodel(path: Path, units, function: str):
@@ -136,18 +152,23 @@ class CoreMLBackend:
         self.name, self.compute_units = path.name.split(".")[0], compute_units
         self.interfaces = read_interfaces(path)
         self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        # a context ladder starts on its smallest rung: only that rung's infer is loaded (each loaded function
+        # wires its own copy of the weights)
+        first = smallest_infer(self.interfaces)
         if path.suffix == ".mlpackage":
-            # Opening an .mlpackage compiles it. Compile once (loading `infer`, which lives as long
-            # as this backend), then open every other function from that one compiled model, so
-            # they share one state as in a multifunction model, and nothing is compiled twice.
-            model, error = open_mlmodel(path, self.units, "infer")
+            # Opening an .mlpackage compiles it. Compile once (loading `first`), then open every other
+            # function from that one compiled model, so they share one state as in a multifunction
+            # model, and nothing is compiled twice.
+            model, error = open_mlmodel(path, self.units, first)
             if error is not None:
-                raise BackendError(f"{path}: function 'infer' cannot be loaded on {compute_units}: {error}")
-            self.compiled, self.models = model.get_compiled_model_path(), {"infer": model}
+                raise BackendError(f"{path}: function {first!r} cannot be loaded on {compute_units}: {error}")
+            # the compiled model lives in a directory that goes with this first model: kept for the backend's
+            # life (`opened`), even once a ladder's climb releases its function
+            self.compiled, self.models, self.opened = model.get_compiled_model_path(), {first: model}, model
         else:
             self.compiled, self.models = str(path), {}
             try:
-                self.load("infer")
+                self.load(first)
             except FunctionUnavailable as e:
                 raise BackendError(str(e)) from None
 
@@ -164,8 +185,11 @@ class CoreMLBackend:
                 ) from None
             self.models[function] = model
 
-    def make_state(self):
-        return self.models["infer"].make_state() if self.interfaces["infer"]["states"] else None
+    def make_state(self, function: str = "infer"):
+        if not function_of(self, function)["states"]:
+            return None
+        self.load(function)
+        return self.models[function].make_state()
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         feed = cast_inputs(function_of(self, function), inputs)
@@ -178,6 +202,10 @@ class CoreMLBackend:
 
     def write_state(self, state, name: str, array: np.ndarray) -> None:
         state.write_state(name, np.asarray(array, np.float32))  # the bridge takes no fp16 arrays
+
+    def release(self, functions: list[str]) -> None:
+        for function in functions:
+            self.models.pop(function, None)
 
 
 class CoreMLFunction:
@@ -258,7 +286,7 @@ def carried_together(chunks: list[ChunkBackend]) -> None:
     stateful = [c for c in chunks if c.interfaces["infer"]["states"]]
     optional = dict.fromkeys(f for c in chunks for f in c.interfaces if f != "infer")
     for function in optional:
-        needs = chunks if function.startswith("verify_b") else stateful
+        needs = chunks if split_rung(function)[1].startswith("verify_b") else stateful
         lacking = [c.name for c in needs if function not in c.interfaces]
         if not lacking:
             continue
@@ -297,9 +325,15 @@ def open_engine(
         raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
     chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
     carried_together(chunks)
+    # a context ladder's engine starts on its smallest rung (runtime.ladder)
+    ladder = ladder_of(chunks)
+    if ladder is not None:
+        chunks = ladder.chunks(ladder.contexts[0])
     # a ring padded for verify batches is wider than the window, which only the config states
     try:
-        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+        engine = Engine.from_chunks(
+            chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"), ladder=ladder
+        )
     except ValueError as e:  # chunks wired in an order the engine cannot drive
         raise BundleError(f"{root}: {e}") from None
     check_rope(root, engine.host, engine.context, exact_rope)

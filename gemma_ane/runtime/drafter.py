@@ -76,6 +76,7 @@ class Drafter:
         if missing:
             raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which {layout.MODEL_CONFIG} implies")
         self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
+        self.kv_rows = {n: io["inputs"][n]["shape"][2] for n in self.kv_names}
 
     def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:
         """One draft for the token at `position`: carry is the target's final-norm hidden state at position - 1
@@ -85,7 +86,11 @@ class Drafter:
             # internal: the runtime drafts after the prompt (P >= 1) and only where a verify call fits (P < context)
             raise ValueError(f"draft position {P}: must lie in [1, context {self.widths[FULL]})")
         x = {"embedding": self.host.embed([token])[0], "carry": np.asarray(carry, np.float32).reshape(1, 1, -1)}
-        x.update((n, kv[n]) for n in self.kv_names)
+        for n in self.kv_names:
+            # a context ladder's smaller rung hands on shorter full caches: `draft` takes the top rung's, whose
+            # rows past the rung's end (zeros here) the mask hides
+            a, rows = np.asarray(kv[n]), self.kv_rows[n]
+            x[n] = a if a.shape[2] == rows else np.pad(a, ((0, 0), (0, 0), (0, rows - a.shape[2]), (0, 0)))
         for t in self.producers:
             if t == SLIDING:  # the W+1 newest positions up to P-1, in a ring of `widths` slots
                 x[MASKS[t]] = sliding_mask(P - 1, 1, self.window + 1, np.float32, ring=self.widths[t])

@@ -349,6 +349,7 @@ class Model:
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
+        climbed = len(self.engine.crossings)
         # a seeded answer must not depend on what ran before: its prompt reuses only what a fresh run computes alike
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled, exact=params.seed is not None)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
@@ -408,6 +409,7 @@ class Model:
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
             acceptance_rate=spec.accepted / spec.drafted if spec.drafted else 0.0,
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
+            crossings=[c.describe() for c in self.engine.crossings[climbed:]],
         )
 
     def _generate_step(self, logits, sampler: Sampler) -> Iterator[Step]:
