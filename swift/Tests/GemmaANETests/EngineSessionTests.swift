@@ -66,8 +66,10 @@ final class StubRunner: ChunkRunner {
         loads.append(function)
     }
 
-    func makeState() throws -> ChunkState? {
-        guard stateful, let io = interfaces["infer"] else { return nil }
+    func release(_ functions: [String]) {}
+
+    func makeState(_ function: String) throws -> ChunkState? {
+        guard stateful, let io = interfaces[function] else { return nil }
         return State(Dictionary(uniqueKeysWithValues: io.states.map { ($0.name, [Float](repeating: 0, count: $0.shape.reduce(1, *))) }))
     }
 
