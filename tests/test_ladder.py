@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from margins import assert_same_greedy, recorded_rows
+from margins import assert_greedy_prefix, assert_same_greedy, recorded_rows
 
 import gemma_ane
 from gemma_ane.bundle import inspect_bundle
@@ -184,9 +184,9 @@ def test_an_answer_crossing_two_rungs_is_the_top_rungs(ladder, pair):
 def test_the_states_after_a_climb_are_the_top_rungs(ladder, pair):
     ids = random_ids(Checkpoint(pair[0]).spec, 45, seed=5)
     model, top = load(ladder), top_rung_alone(load(ladder))
-    model.engine.feed(ids[:20])
-    model.engine.feed(ids[20:])  # climbs 32 -> 64 before this call
-    top.engine.feed(ids)
+    for engine in (model.engine, top.engine):  # the same calls at the same positions
+        engine.feed(ids[:20])
+        engine.feed(ids[20:])  # the ladder climbs 32 -> 64 before this call
     assert model.engine.rung == 64 and len(model.engine.crossings) == 1
     for (c, s), (tc, ts) in zip(
         zip(model.engine.chunks, model.engine.states), zip(top.engine.chunks, top.engine.states)
@@ -201,21 +201,20 @@ def test_the_states_after_a_climb_are_the_top_rungs(ladder, pair):
 
 @pytest.mark.slow
 def test_a_second_turn_reuses_a_prefix_after_a_crossing(ladder, pair):
-    model = load(ladder)
-    first = text_of(model, pair, 20, seed=7)
-    a = model.generate(first, raw=True, temperature=0, max_tokens=30, repetition_penalty=1.5)
-    assert model.engine.rung == 64 and a.crossings
-    second = first + model.tokenizer.decode(a.tokens) + text_of(model, pair, 40, seed=8)  # the next turn climbs
-    history = model.prompt_ids(second, raw=True)
-    assert 64 < len(history) < 110
-    kw = dict(raw=True, temperature=0, max_tokens=15, repetition_penalty=1.5)
-    with recorded_rows(model.engine) as rows:
-        b = model.generate(second, **kw)
-    assert b.reused_tokens > 32 and model.engine.rung == 128
-    fresh = top_rung_alone(load(ladder))
-    with recorded_rows(fresh.engine) as fresh_rows:
-        ref = fresh.generate(second, **kw)
-    assert_same_greedy(b.tokens, rows, ref.tokens, fresh_rows, 1e-3, 10, history, 1.5, "reused after a crossing")
+    spec = Checkpoint(pair[0]).spec
+    first, answer, more = (random_ids(spec, n, seed=s).tolist() for n, s in ((20, 7), (30, 8), (40, 9)))
+    engine = load(ladder).engine
+    engine.prompt(first)
+    for t in answer:  # an answer's tokens, fed one by one: it climbs 32 -> 64 at position 32
+        engine.feed([t])
+    assert engine.rung == 64 and len(engine.crossings) == 1
+    second = first + answer + more
+    kept, logits = engine.prompt(second)
+    assert kept == len(first) + len(answer) > 32 and engine.rung == 128
+    fresh = top_rung_alone(load(ladder)).engine
+    _, ref = fresh.prompt(second)
+    # a reused prefix against a fresh prefill: other batches, so other roundings of the fp16 weights' products
+    np.testing.assert_allclose(logits, ref, atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.slow
@@ -240,14 +239,14 @@ def test_drafts_cross_the_rungs_as_plain_greedy(ladder, pair):
     kw = dict(raw=True, temperature=0, max_tokens=80)
     model = load(ladder)
     prompt = text_of(model, pair, 20, seed=11)
-    with recorded_rows(model.engine) as rows:
-        drafted = model.generate(prompt, draft_tokens=3, **kw)
-    assert len(drafted.crossings) == 2 and drafted.tokens_per_verify >= 1
+    drafted = model.generate(prompt, draft_tokens=3, **kw)
+    # the prompt re-encodes to more than 32 tokens: it starts on 64, and a verify call climbs to 128
+    assert drafted.crossings[-1].startswith("context 64 -> 128") and drafted.tokens_per_verify >= 1
     plain = load(ladder)
     with recorded_rows(plain.engine) as plain_rows:
         ref = plain.generate(prompt, **kw)
-    # verify_b4 rows against infer rows: other batch shapes, the same fp32 arithmetic up to summation order
-    assert_same_greedy(drafted.tokens, rows, ref.tokens, plain_rows, 1e-3, 40, where="drafts vs plain")
+    # verify_b4 rows against infer rows: the same fp32 arithmetic up to summation order (1e-3 bounds it)
+    assert_greedy_prefix(drafted.tokens, ref.tokens, np.stack(plain_rows), 1e-3, 40, "drafts vs plain")
 
 
 @pytest.mark.slow
