@@ -241,8 +241,8 @@ def test_a_ladder_answer_climbs_two_rungs_as_python_does(swift_exe, ladder_bundl
 
 @pytest.mark.slow  # ladder_bundle converts
 def test_a_ladder_second_turn_after_a_crossing(swift_exe, ladder_bundle):
-    """`chat`: the first answer climbs past rung 32; the second turn reuses the first's prefix on the rung reached,
-    and climbs again: both answers and the tokens reused are the Python runtime's."""
+    """`chat`: the first answer climbs past rung 32; the second turn reuses a prefix of the first on the rung reached
+    and climbs again: both answers, the tokens reused and the climbs are the Python runtime's."""
     from gemma_ane import load
 
     # the penalty keeps this random model from answering one token over and over
@@ -260,10 +260,11 @@ def test_a_ladder_second_turn_after_a_crossing(swift_exe, ladder_bundle):
     first = model.generate(PROMPT, **kw)
     convo = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": first.text}]
     second = model.generate(messages=[*convo, {"role": "user", "content": "And then?"}], **kw)
-    assert first.crossings and model.engine.rung == 128
+    assert first.crossings and second.crossings and model.engine.rung == 128
     assert run.stdout == f"{first.text}\n{second.text}\n"
     stats = [line for line in run.stderr.splitlines() if " reused)" in line]
     reused = [line.split("(")[1].split(" reused")[0] for line in stats]
-    assert reused == ["0", str(second.reused_tokens)] and second.reused_tokens > 32
+    # the chat format renders an answer anew, so the second turn reuses the prefix up to it, kept on the rung reached
+    assert reused == ["0", str(second.reused_tokens)] and second.reused_tokens > 0
     climbed = [[c.split(" (")[0] for c in line.split(" | climbed: ")[1:]] for line in stats]
     assert climbed == [[c.split(" (")[0] for c in r.crossings] for r in (first, second)]
