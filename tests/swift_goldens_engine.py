@@ -32,6 +32,7 @@ from gemma_ane.bundle.schema import read_model_config
 from gemma_ane.bundle.tables import load_host, save_npy
 from gemma_ane.oracle.tokenizer_files import MIN_VOCAB_SIZE, build_tokenizer
 from gemma_ane.runtime.engine import Engine
+from gemma_ane.runtime.ladder import ladder_of
 
 V, H, LAYERS, P, ROWS = MIN_VOCAB_SIZE, 12, 3, 4, 96  # vocabulary (the test tokenizer's least), hidden, ...
 D_SLIDING, D_FULL = 8, 16
@@ -71,6 +72,13 @@ CONFIG_CASES = [
     ({"layer_types": "full"}, None),
     ({"sliding_window": 0}, None),
     ({"context_length": 2**21}, None),
+    # a context ladder's rungs (CONTRACT §3a): sound, out of order, not multiples of 32, one alone, a top that is not
+    # the context_length
+    ({"contexts": [32, 64]}, None),
+    ({"contexts": [64, 32]}, None),
+    ({"contexts": [32, 48, 64]}, None),
+    ({"contexts": [64]}, None),
+    ({"contexts": [32, 128]}, None),
     ({"split": [2, 1]}, None),
     ({"split": [1, 9]}, None),
     ({"head": "argmax"}, None),
@@ -133,6 +141,19 @@ SESSION_CASES = [
         [("prompt", A, [8, 20]), ("feed", [11, 12]), ("prompt", A[:21] + [4], []), ("prompt", A[:9] + [5], [])],
     ),
     ((32, 8, 8, None, (), None), [("prompt", A[:10], []), ("prompt", A[:10] + [3], []), ("prompt", A[:6], [])]),
+    # a context ladder (CONTRACT §3a), its smaller rungs last: climbs mid-feed and mid-prompt carrying the caches,
+    # reuses a prefix after a crossing, and starts a fresh session on the smallest rung again
+    (
+        (64, 16, 16, 4, (8, 4), None, (16, 32)),
+        [
+            ("prompt", A[:10], []),
+            ("feed", [3, 4, 5, 6, 7, 8, 9]),
+            ("prompt", A[:10] + [3, 4, 5, 6, 7, 8, 9] + A[12:30], []),
+            ("feed", [3] * 20),
+            ("prompt", [2, 3], []),
+            ("prompt", [9, 9], []),
+        ],
+    ),
 ]
 
 
@@ -140,8 +161,15 @@ class StubChunk:
     """A chunk without a network whose caches record which row went where (see the module's docstring)."""
 
     def __init__(self, name: str, stateful: bool, geometry):
-        context, window, ring, batch, kv, verify = geometry
+        context, window, ring, batch, kv, verify, *rungs = geometry
         self.name, self.stateful = name, stateful
+        self.interfaces = self.functions(context, ring, batch, kv, verify)
+        for c in rungs[0] if rungs else ():  # a ladder's smaller rungs, each function once per rung
+            f = self.functions(c, ring, batch, kv, verify)
+            self.interfaces |= {f"ctx{c}_{name}": io for name, io in f.items()}
+
+    def functions(self, context, ring, batch, kv, verify) -> dict:
+        stateful = self.stateful
         states = (
             {
                 "kv_cache_sliding": {"shape": [2, 1, ring, 4], "dtype": "float16"},
@@ -170,15 +198,18 @@ class StubChunk:
             functions[f"prefill_kv_b{T}"] = io(T, ring + T, 2 * P)
         if verify:
             functions[f"verify_b{verify}"] = io(verify, ring, LAYERS * P)
-        self.interfaces = {f: {**x, "states": states} for f, x in functions.items()}
+        return {f: {**x, "states": states} for f, x in functions.items()}
 
     def load(self, function):
         pass
 
-    def make_state(self):
+    def release(self, functions):
+        pass
+
+    def make_state(self, function="infer"):
         if not self.stateful:
             return None
-        return {n: np.zeros(t["shape"], np.float16) for n, t in self.interfaces["infer"]["states"].items()}
+        return {n: np.zeros(t["shape"], np.float16) for n, t in self.interfaces[function]["states"].items()}
 
     def predict(self, function, inputs, state):
         io = self.interfaces[function]
@@ -239,9 +270,12 @@ def config_cases(root: Path) -> list[dict]:
 def sessions(host) -> list[dict]:
     out = []
     for geometry, ops in SESSION_CASES:
-        context, window, ring, batch, kv, verify = geometry
+        context, window, ring, batch, kv, verify, *rungs = geometry
         chunks = [StubChunk("chunk_1", True, geometry), StubChunk("chunk_2", False, geometry)]
-        engine = Engine.from_chunks(chunks, host, None, window=window)
+        ladder = ladder_of(chunks)  # as backend.open_engine: a ladder starts on its smallest rung
+        if ladder is not None:
+            chunks = ladder.chunks(ladder.contexts[0])
+        engine = Engine.from_chunks(chunks, host, None, window=window, ladder=ladder)
         results = []
         for op in ops:
             if op[0] == "prompt":
@@ -258,10 +292,17 @@ def sessions(host) -> list[dict]:
                     "ring_top": engine.ring_top,
                     "history": [[p, f, T] for p, f, T in engine.history],
                     "ring": floats(ring_now),
+                    "rung": engine.rung,
+                    "crossings": [[c.before, c.after, c.position] for c in engine.crossings],
+                    "full": floats(engine.states[0]["kv_cache_full"][0, 0, : engine.position, 0]),
                 }
             )
         out.append(
-            {"geometry": list(geometry[:4]) + [list(kv), verify], "ops": [list(o) for o in ops], "after": results}
+            {
+                "geometry": list(geometry[:4]) + [list(kv), verify] + [list(r) for r in rungs],
+                "ops": [list(o) for o in ops],
+                "after": results,
+            }
         )
     return out
 
@@ -316,6 +357,7 @@ class _Geometry:
 
     def __init__(self, context, window, ring, prefill_batch, kv_batches):
         self.context, self.window, self.ring, self.prefill_batch = context, window, ring, prefill_batch
+        self.rung = context  # the rung the plan runs on: a single context is its own
         self.kv_batches = tuple(sorted(kv_batches, reverse=True))
 
 

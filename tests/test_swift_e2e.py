@@ -210,3 +210,61 @@ def test_the_pipe_server_answers_errors_and_stops_on_bad_frames(tiny_bundle16):
         run = serve(data)
         err = run.stderr.decode().strip().splitlines()
         assert run.returncode == 1 and len(err) == 1 and needle in err[0], run.stderr
+
+
+# -- a context ladder (CONTRACT §3a): e2b-mini (window 16) on rungs 32 / 64 / 128 ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ladder_bundle(tiny_e2b, tmp_path_factory) -> Path:
+    from conftest import _convert, built_once
+
+    build = lambda d: _convert(tiny_e2b, d / "bundle", bits=16, contexts=(32, 64, 128))  # noqa: E731
+    return built_once(tmp_path_factory, "swift_ladder", build) / "bundle"
+
+
+def climbs(result: dict) -> list[str]:
+    """Where a generation climbed (its crossings without their timings)."""
+    return [c.split(" (")[0] for c in result["crossings"]]
+
+
+@pytest.mark.slow  # ladder_bundle converts
+def test_a_ladder_answer_climbs_two_rungs_as_python_does(swift_exe, ladder_bundle):
+    """Starts on rung 32 (the prompt fits), climbs to 64 then 128 mid-answer, carrying the caches: the tokens are the
+    Python engine's, and so are the climbing decisions (rung and position of each crossing)."""
+    args = ("--prompt", PROMPT, "--raw", "--max-tokens", "90", "--temperature", "0")
+    ours, theirs = swift_generate(swift_exe, ladder_bundle, *args), python_generate(ladder_bundle, *args)
+    assert ours["prompt_tokens"] < 32 and ours["generated_tokens"] == 90
+    assert climbs(ours) == climbs(theirs) == ["context 32 -> 64 at position 32", "context 64 -> 128 at position 64"]
+    assert ours["tokens"] == theirs["tokens"] and ours["text"] == theirs["text"]
+
+
+@pytest.mark.slow  # ladder_bundle converts
+def test_a_ladder_second_turn_after_a_crossing(swift_exe, ladder_bundle):
+    """`chat`: the first answer climbs past rung 32; the second turn reuses a prefix of the first on the rung reached
+    and climbs again: both answers, the tokens reused and the climbs are the Python runtime's."""
+    from gemma_ane import load
+
+    # the penalty keeps this random model from answering one token over and over
+    penalty, kw = ("--repetition-penalty", "1.5"), dict(temperature=0, max_tokens=30, repetition_penalty=1.5)
+    run = subprocess.run(
+        [str(swift_exe), "chat", str(ladder_bundle), "--temperature", "0", "--max-tokens", "30", *penalty],
+        input=f"{PROMPT}\nAnd then?\n",
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    model = load(ladder_bundle, backend="mil")
+    first = model.generate(PROMPT, **kw)
+    convo = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": first.text}]
+    second = model.generate(messages=[*convo, {"role": "user", "content": "And then?"}], **kw)
+    assert first.crossings and second.crossings and model.engine.rung == 128
+    assert run.stdout == f"{first.text}\n{second.text}\n"
+    stats = [line for line in run.stderr.splitlines() if " reused)" in line]
+    reused = [line.split("(")[1].split(" reused")[0] for line in stats]
+    # the chat format renders an answer anew, so the second turn reuses the prefix up to it, kept on the rung reached
+    assert reused == ["0", str(second.reused_tokens)] and second.reused_tokens > 0
+    climbed = [[c.split(" (")[0] for c in line.split(" | climbed: ")[1:]] for line in stats]
+    assert climbed == [[c.split(" (")[0] for c in r.crossings] for r in (first, second)]

@@ -8,7 +8,8 @@ row-major, packed, little-endian), in that order. Requests name an "op":
 
 - "hello": the chunks, each {name, functions (the default first), interfaces: function -> {inputs, outputs, states},
   each a list of {name, shape, dtype}};
-- "load" {chunk, function}; "make_state" {chunk} -> {state: an id, or null for a stateless chunk};
+- "load" {chunk, function}; "make_state" {chunk, function?} -> {state: an id, or null for a stateless chunk}; the
+  function (default: the chunk's default) sizes the state: a context ladder's rung `ctx{C}_infer` (CONTRACT §3a);
 - "predict" {chunk, function, state} with the inputs as tensors -> the outputs as tensors;
 - "read_state" {chunk, state, name} -> one tensor; "write_state" {chunk, state, name} with one tensor;
 - any request may carry "release": state ids the client no longer holds.
@@ -105,8 +106,9 @@ class Chunk:
             raise BundleError(f"{self.name}: no function {str(name)[:40]!r} (has {', '.join(self.interfaces)})")
         return self.interfaces[name]
 
-    def state_types(self) -> dict:
-        return next(iter(self.interfaces.values()))["states"]
+    def state_types(self, function: str | None = None) -> dict:
+        """The states `function` (default: the default function) declares: a ladder's rungs size them apart."""
+        return self.interfaces[function or next(iter(self.interfaces))]["states"]
 
 
 class Server:
@@ -114,7 +116,7 @@ class Server:
 
     def __init__(self, paths: list[Path]):
         self.chunks = {c.name: c for c in map(Chunk, paths)}
-        self.states: dict[int, tuple[str, object]] = {}
+        self.states: dict[int, tuple[str, object, str]] = {}  # id -> (chunk, state, the function that made it)
         self.next_state = 0
 
     def chunk(self, header: dict):
@@ -131,6 +133,11 @@ class Server:
             raise BundleError(f"{chunk.name}: no state {str(sid)[:20]} of this chunk")
         return self.states[sid][1]
 
+    def made_by(self, header: dict) -> str | None:
+        """The function whose states a request's state id holds (None when it names no state of its chunk)."""
+        held = self.states.get(header.get("state"))
+        return held[2] if held is not None and held[0] == header.get("chunk") else None
+
     def declared(self, header: dict) -> dict:
         """The tensors a request may carry: a predict's inputs, a write_state's state."""
         try:
@@ -138,7 +145,7 @@ class Server:
             if header.get("op") == "predict":
                 io = chunk.function(header.get("function"))["inputs"]
             elif header.get("op") == "write_state":
-                io = {k: v for k, v in chunk.state_types().items() if k == header.get("name")}
+                io = {k: v for k, v in chunk.state_types(self.made_by(header)).items() if k == header.get("name")}
             else:
                 return {}
         except (BundleError, TypeError):
@@ -166,11 +173,12 @@ class Server:
             chunk.function(header.get("function"))
             return {"ok": True}, None
         if op == "make_state":
-            state = chunk.package.make_state()
-            if state is None:
+            function = header.get("function") or next(iter(chunk.interfaces))
+            if not chunk.function(function)["states"]:
                 return {"ok": True, "state": None}, None
+            state = chunk.package.functions[function].make_state()
             self.next_state += 1
-            self.states[self.next_state] = (chunk.name, state)
+            self.states[self.next_state] = (chunk.name, state, function)
             return {"ok": True, "state": self.next_state}, None
         if op == "predict":
             function = header.get("function")
@@ -183,7 +191,7 @@ class Server:
             return {"ok": True}, {n: np.asarray(out[n]).astype(t["dtype"], copy=False) for n, t in outputs.items()}
         if op in ("read_state", "write_state"):
             state, name = self.state(header, chunk), header.get("name")
-            declared = chunk.state_types()
+            declared = chunk.state_types(self.made_by(header))
             if state is None or name not in declared:
                 raise BundleError(f"{chunk.name}: no state {str(name)[:40]!r}")
             if op == "read_state":

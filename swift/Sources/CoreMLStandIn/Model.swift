@@ -115,16 +115,19 @@ public final class MLModelAsset {
 /// `makeState()` cannot fail and the stand-in's executor can.
 public final class MLState {
     let chunk: StandInDevice.Chunk
+    /// The function of the model that made it: its states' shapes (a ladder's rungs differ).
+    let function: String
     private var made: ChunkState?
     private var isMade = false
 
-    init(chunk: StandInDevice.Chunk) {
+    init(chunk: StandInDevice.Chunk, function: String) {
         self.chunk = chunk
+        self.function = function
     }
 
     func state() throws -> ChunkState? {
         if !isMade {
-            made = try chunk.runner.makeState()
+            made = try chunk.runner.makeState(function)
             isMade = true
         }
         return made
@@ -168,7 +171,7 @@ public final class MLModel {
 
     /// A fresh state for this model's package, zeroed; every function's model of the package runs with it.
     public func makeState() -> MLState {
-        MLState(chunk: chunk)
+        MLState(chunk: chunk, function: function)
     }
 
     public func prediction(from input: MLFeatureProvider) throws -> MLFeatureProvider {

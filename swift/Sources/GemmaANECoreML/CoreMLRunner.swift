@@ -159,8 +159,16 @@ public final class CoreMLRunner: ChunkRunner {
         }
     }
 
-    public func makeState() throws -> ChunkState? {
-        try io("infer").states.isEmpty ? nil : CoreMLState(infer.makeState())
+    public func makeState(_ function: String) throws -> ChunkState? {
+        if try io(function).states.isEmpty { return nil }
+        try load(function)  // a ladder's rung: its states are shaped by its own functions
+        guard let model = models[function] else { throw GemmaANEError(.device, "\(name): \(function) not loaded") }
+        return CoreMLState(model.makeState())
+    }
+
+    /// Drops the models of a rung left behind; `infer` stays, as it was opened with the package.
+    public func release(_ functions: [String]) {
+        for function in functions where function != "infer" { models[function] = nil }
     }
 
     public func predict(_ function: String, inputs: [String: Tensor], state: ChunkState?) throws -> [String: Tensor] {

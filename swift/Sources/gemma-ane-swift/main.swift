@@ -183,7 +183,7 @@ func generate(_ model: GemmaModel, _ args: Arguments, _ sampling: SamplingOption
     if args.json {
         let object: [String: Any] = [
             "tokens": tokens, "text": text, "reasoning": reasoning, "finish_reason": stats.finishReason, "prompt_tokens": stats.promptTokens,
-            "reused_tokens": stats.reusedTokens, "generated_tokens": stats.generatedTokens,
+            "reused_tokens": stats.reusedTokens, "generated_tokens": stats.generatedTokens, "crossings": stats.crossings,
         ]
         write(String(decoding: try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys]), as: UTF8.self) + "\n")
     } else {
@@ -197,6 +197,7 @@ func summary(_ s: GenerationStats) -> String {
     let n = s.generatedTokens
     let generation = n == 1 ? "1 token" : "\(n) tokens, \(String(format: "%.1f", s.decodeTokensPerSecond)) tok/s"
     return "prompt: \(s.promptTokens) tokens (\(s.reusedTokens) reused), \(String(format: "%.1f", s.prefillTokensPerSecond)) tok/s | generation: \(generation)"
+        + s.crossings.map { " | climbed: \($0)" }.joined()
 }
 
 /// The Python CLI's chat: one user turn a line of stdin, the answer on stdout, its stats on stderr; /reset,

@@ -7,7 +7,12 @@ import Testing
 final class StubRunner: ChunkRunner {
     final class State: ChunkState {
         var arrays: [String: [Float]]
-        init(_ arrays: [String: [Float]]) { self.arrays = arrays }
+        /// The function that made it (a ladder's rungs size their states apart).
+        let function: String
+        init(_ arrays: [String: [Float]], function: String) {
+            self.arrays = arrays
+            self.function = function
+        }
     }
 
     let name: String
@@ -15,18 +20,21 @@ final class StubRunner: ChunkRunner {
     let interfaces: [String: FunctionInterface]
     let stateful: Bool
     var loads: [String] = []
+    var released: [String] = []
     /// Functions this device refuses to load (the fallback path).
     var refuses: Set<String> = []
     /// Called before each prediction (a test holds a generation there).
     var beforePredict: (() -> Void)?
 
-    init(name: String, stateful: Bool, context: Int, ring: Int, batch: Int?, kv: [Int], verify: Int?, hidden: Int, ple: Int, vocab: Int) {
+    init(name: String, stateful: Bool, context: Int, ring: Int, batch: Int?, kv: [Int], verify: Int?, hidden: Int, ple: Int, vocab: Int,
+         rungs: [Int] = []) {
         self.name = name
         self.stateful = stateful
-        let states = stateful
-            ? [TensorSpec(name: "kv_cache_sliding", shape: [2, 1, ring, 4], dtype: .float16),
-               TensorSpec(name: "kv_cache_full", shape: [2, 1, context, 4], dtype: .float16)] : []
-        func io(_ T: Int, _ maskWidth: Int, _ pleWidth: Int) -> FunctionInterface {
+        // `rungs`: a context ladder's smaller contexts, each carrying ctx{C}_infer (CONTRACT §3a)
+        func io(_ T: Int, _ maskWidth: Int, _ pleWidth: Int, context: Int = context) -> FunctionInterface {
+            let states = stateful
+                ? [TensorSpec(name: "kv_cache_sliding", shape: [2, 1, ring, 4], dtype: .float16),
+                   TensorSpec(name: "kv_cache_full", shape: [2, 1, context, 4], dtype: .float16)] : []
             var inputs = [TensorSpec(name: "hidden_states", shape: [1, T, hidden], dtype: .float16),
                           TensorSpec(name: "causal_mask_full", shape: [1, 1, T, context], dtype: .float16)]
             let outputs: [TensorSpec]
@@ -43,19 +51,17 @@ final class StubRunner: ChunkRunner {
             }
             return FunctionInterface(inputs: inputs, outputs: outputs, states: states)
         }
-        var interfaces = ["infer": io(1, ring, ple)]
-        var names = ["infer"]
-        if stateful, let batch {
-            interfaces["prefill_b\(batch)"] = io(batch, ring, ple)
-            names.append("prefill_b\(batch)")
-        }
-        for T in stateful ? kv : [] {
-            interfaces["prefill_kv_b\(T)"] = io(T, ring + T, 8)
-            names.append("prefill_kv_b\(T)")
-        }
-        if let verify {
-            interfaces["verify_b\(verify)"] = io(verify, ring, ple)
-            names.append("verify_b\(verify)")
+        var interfaces: [String: FunctionInterface] = [:], names: [String] = []
+        for c in [context] + rungs {
+            let prefix = c == context ? "" : "ctx\(c)_"  // the top rung under the plain names
+            func add(_ function: String, _ f: FunctionInterface) {
+                interfaces[prefix + function] = f
+                names.append(prefix + function)
+            }
+            add("infer", io(1, ring, ple, context: c))
+            if stateful, let batch { add("prefill_b\(batch)", io(batch, ring, ple, context: c)) }
+            for T in stateful ? kv : [] { add("prefill_kv_b\(T)", io(T, ring + T, 8, context: c)) }
+            if let verify { add("verify_b\(verify)", io(verify, ring, ple, context: c)) }
         }
         self.interfaces = interfaces
         functionNames = names
@@ -66,9 +72,12 @@ final class StubRunner: ChunkRunner {
         loads.append(function)
     }
 
-    func makeState() throws -> ChunkState? {
-        guard stateful, let io = interfaces["infer"] else { return nil }
-        return State(Dictionary(uniqueKeysWithValues: io.states.map { ($0.name, [Float](repeating: 0, count: $0.shape.reduce(1, *))) }))
+    func release(_ functions: [String]) { released += functions }
+
+    func makeState(_ function: String) throws -> ChunkState? {
+        guard stateful, let io = interfaces[function] else { return nil }
+        return State(
+            Dictionary(uniqueKeysWithValues: io.states.map { ($0.name, [Float](repeating: 0, count: $0.shape.reduce(1, *))) }), function: function)
     }
 
     func predict(_ function: String, inputs: [String: Tensor], state: ChunkState?) throws -> [String: Tensor] {
@@ -84,7 +93,7 @@ final class StubRunner: ChunkRunner {
         }
         let h = try #require(inputs["hidden_states"]), hidden = h.shape[2]
         let p0 = Int(try #require(inputs["current_pos"]).floats[0])
-        let ring = io.states[0].shape[2], values = h.floats
+        let ring = try #require(interfaces[s.function]?.states[0].shape[2]), values = h.floats
         for t in 0..<h.shape[1] {
             s.arrays["kv_cache_sliding"]?[(p0 + t) % ring * 4] = values[t * hidden]
             s.arrays["kv_cache_full"]?[(p0 + t) * 4] = values[t * hidden]
@@ -93,7 +102,7 @@ final class StubRunner: ChunkRunner {
     }
 
     func readState(_ state: ChunkState, name: String) throws -> Tensor {
-        let s = try #require(state as? State), spec = try #require(interfaces["infer"]?.states.first { $0.name == name })
+        let s = try #require(state as? State), spec = try #require(interfaces[s.function]?.states.first { $0.name == name })
         return Tensor(floats: s.arrays[name] ?? [], shape: spec.shape, dtype: spec.dtype)
     }
 
@@ -104,13 +113,15 @@ final class StubRunner: ChunkRunner {
 
 /// An engine over a stub bundle (stubBundle).
 func stubEngine(_ g: [BundleJSON], refuse: Set<String> = [], warnings: @escaping (String) -> Void = { _ in }) throws -> (Engine, [StubRunner]) {
-    let (bundle, runners) = try stubBundle(g, refuse: refuse)
+    let rungs = g.count > 6 ? (g[6].array ?? []).compactMap(\.int) : []
+    let (bundle, runners) = try stubBundle(g, refuse: refuse, rungs: rungs)
     return (try Engine(bundle: bundle, runners: runners, warn: warnings), runners)
 }
 
 /// A bundle over the goldens' host tables and tokenizer with the given geometry
-/// ([context, window, ring, prefill batch, [kv batches], verify batch]); its chunks are stubs.
-func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBundle, [StubRunner]) {
+/// ([context, window, ring, prefill batch, [kv batches], verify batch, and a ladder's smaller rungs if any]); its
+/// chunks are stubs.
+func stubBundle(_ g: [BundleJSON], refuse: Set<String> = [], rungs: [Int] = []) throws -> (ModelBundle, [StubRunner]) {
     let root = try EngineGoldens.dir().appendingPathComponent("host")
     let bundleURL = FileManager.default.temporaryDirectory.appendingPathComponent("gemma-ane-stub-\(UUID().uuidString)")
     try FileManager.default.copyItem(at: root, to: bundleURL)
@@ -126,8 +137,8 @@ func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBun
     let kv = (g[4].array ?? []).compactMap(\.int), verify = g[5].int
     let h = bundle.config.hiddenSize, ple = bundle.config.numHiddenLayers * bundle.config.perLayerDim
     let runners = [
-        StubRunner(name: "chunk_1", stateful: true, context: context, ring: ring, batch: g[3].int, kv: kv, verify: verify, hidden: h, ple: ple, vocab: bundle.config.vocabSize),
-        StubRunner(name: "chunk_2", stateful: false, context: context, ring: ring, batch: g[3].int, kv: kv, verify: verify, hidden: h, ple: ple, vocab: bundle.config.vocabSize),
+        StubRunner(name: "chunk_1", stateful: true, context: context, ring: ring, batch: g[3].int, kv: kv, verify: verify, hidden: h, ple: ple, vocab: bundle.config.vocabSize, rungs: rungs),
+        StubRunner(name: "chunk_2", stateful: false, context: context, ring: ring, batch: g[3].int, kv: kv, verify: verify, hidden: h, ple: ple, vocab: bundle.config.vocabSize, rungs: rungs),
     ]
     runners[0].refuses = refuse
     return (bundle, runners)
@@ -155,6 +166,12 @@ func stubBundle(_ g: [BundleJSON], refuse: Set<String> = []) throws -> (ModelBun
             let ring = try runners[0].readState(try #require(engine.states[0]), name: Engine.ringState).floats
             let slots = engine.paths.ring  // layer 0's K, first column: one value a slot
             #expect((0..<slots).map { ring[$0 * 4] } == floats(a["ring"]), "session \(n)")
+            // the context ladder: the rung run, every climb, and the full caches' written prefix carried up
+            #expect(engine.rung == a["rung"]?.int, "session \(n)")
+            let climbs = (a["crossings"]?.array ?? []).map { ($0.array ?? []).compactMap(\.int) }
+            #expect(engine.crossings.map { [$0.before, $0.after, $0.position] } == climbs, "session \(n)")
+            let full = try runners[0].readState(try #require(engine.states[0]), name: "kv_cache_full").floats
+            #expect((0..<engine.position).map { full[$0 * 4] } == floats(a["full"]), "session \(n)")
         }
     }
 }

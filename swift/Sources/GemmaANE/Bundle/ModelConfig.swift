@@ -15,6 +15,8 @@ public struct ModelConfig: Sendable, Equatable {
     public var layerTypes: [String]?
     public var slidingWindow: Int?
     public var contextLength: Int?
+    /// A context ladder's rungs, ascending, the last the context_length (CONTRACT §3a); nil: one context.
+    public var contexts: [Int]?
     public var prefillBatch: Int?
     public var split: [Int]?
     /// Chunks other than the published three state their roles; the count is all the engine reads.
@@ -50,6 +52,13 @@ public struct ModelConfig: Sendable, Equatable {
             (
                 "context_length", false, "a positive integer, at most \(Self.maxContext)",
                 { positive($0) && ($0.int ?? 0) <= Self.maxContext }
+            ),
+            (
+                "contexts", false, "ascending multiples of 32, at most \(Self.maxContext)",
+                { v in
+                    guard let a = v.array?.map({ $0.int ?? 0 }), a.count >= 2, a.allSatisfy({ $0 > 0 && $0 % 32 == 0 }) else { return false }
+                    return zip(a, a.dropFirst()).allSatisfy { $0 < $1 } && a[a.count - 1] <= Self.maxContext
+                }
             ),
             ("prefill_batch", false, "a positive integer", positive),
             (
@@ -95,6 +104,9 @@ public struct ModelConfig: Sendable, Equatable {
         if let split = config["split"]?.array, (split.last?.int ?? 0) > layers {
             throw fail("split", "boundaries up to num_hidden_layers \(layers)")
         }
+        if let rungs = config["contexts"]?.array, config["context_length"]?.int != rungs.last?.int {
+            throw fail("contexts", "rungs whose largest is the context_length")
+        }
         vocabSize = config["vocab_size"]?.int ?? 0
         hiddenSize = config["hidden_size"]?.int ?? 0
         numHiddenLayers = layers
@@ -106,6 +118,7 @@ public struct ModelConfig: Sendable, Equatable {
         layerTypes = config["layer_types"]?.array?.compactMap(\.string)
         slidingWindow = config["sliding_window"]?.int
         contextLength = config["context_length"]?.int
+        contexts = config["contexts"]?.array?.compactMap(\.int)
         prefillBatch = config["prefill_batch"]?.int
         split = config["split"]?.array?.compactMap(\.int)
         chunkCount = config["chunks"]?.array?.count

@@ -19,7 +19,15 @@ public final class Engine {
         var top: Int
     }
 
-    public let runners: [ChunkRunner]
+    /// The chunks as the current rung presents them (a single-context bundle's: the runners given).
+    public private(set) var runners: [ChunkRunner]
+    /// The runners given, and the context ladder their functions carry (nil: one context).
+    let raw: [ChunkRunner]
+    public let ladder: Ladder?
+    /// Every climb so far, oldest first.
+    public private(set) var crossings: [Crossing] = []
+    /// The optional functions dropped as not carried together: dropped on every rung.
+    var dropped: Set<String> = []
     public let host: HostTables
     /// The functions each chunk carries once those not every chunk that needs them carries are dropped.
     public private(set) var functions: [[String: FunctionInterface]]
@@ -28,7 +36,10 @@ public final class Engine {
     public let verifyBatch: Int?
     /// "logits", or "token_id" for the published argmax head.
     public let head: String
-    public var context: Int { paths.context }
+    /// The most positions this engine holds: the top of a context ladder, which it climbs as a session grows.
+    public var context: Int { ladder?.top ?? paths.context }
+    /// The context the chunks run now.
+    public var rung: Int { paths.context }
     let body: [Int]
     let tail: [Int]
     let kvPleWidth: Int?
@@ -53,6 +64,16 @@ public final class Engine {
         guard runners.count == bundle.chunkPaths.count else {
             throw GemmaANEError(.bundle, "\(root): \(bundle.chunkPaths.count) chunks, \(runners.count) runners")
         }
+        raw = runners
+        let ladder = Ladder(interfaces: runners[0].interfaces)
+        if let want = bundle.config.contexts, want != ladder?.contexts ?? [] {
+            let have = ladder?.contexts.map(String.init).joined(separator: ",") ?? "one context"
+            throw GemmaANEError(
+                .bundle, "\(root): contexts \(want.map(String.init).joined(separator: ",")) in model_config.json, but the chunks carry \(have)")
+        }
+        self.ladder = ladder
+        // a ladder's engine starts on its smallest rung
+        let runners: [ChunkRunner] = try ladder.map { try $0.runners(runners, context: $0.contexts[0]) } ?? runners
         self.runners = runners
         self.host = bundle.host
         self.warn = warn
@@ -76,6 +97,7 @@ public final class Engine {
             let needs = function.hasPrefix("verify_b") ? Array(runners.indices) : stateful
             let lacking = needs.filter { functions[$0][function] == nil }.map { runners[$0].name }
             if lacking.isEmpty { continue }
+            dropped.insert(function)
             for i in functions.indices { functions[i][function] = nil }
             let path = function.hasPrefix("verify_b") ? "decoding runs without drafts" : "prompts run without it"
             warn("\(lacking.joined(separator: ", ")): no function '\(function)'; \(path)")
@@ -128,7 +150,8 @@ public final class Engine {
         let pleWidth = host.ple.columns
         var x: [String: Tensor] = [
             "hidden_states": Tensor(floats: h, shape: [1, T, host.embed.columns], dtype: .float32),
-            "causal_mask_full": Tensor(floats: Masks.full(p0: p0, count: T, context: context), shape: [1, 1, T, context], dtype: .float32),
+            "causal_mask_full": Tensor(
+                floats: Masks.full(p0: p0, count: T, context: rung), shape: [1, 1, T, rung], dtype: .float32),
             "current_pos": Tensor(floats: [Float(p0)], shape: [1], dtype: .int32),
             "ring_pos": Tensor(floats: [Float(p0 % paths.ring)], shape: [1], dtype: .int32),
         ]
@@ -223,6 +246,7 @@ public final class Engine {
         if position + ids.count > context {
             throw GemmaANEError(.input, "\(position + ids.count) tokens exceed the context of \(context)")
         }
+        try climb(position + ids.count)
         do {
             return try feedPlanned(ids, wantLogits, cancelled)
         } catch let e as GemmaANEError where e.kind == .cancelled {
@@ -279,6 +303,78 @@ public final class Engine {
         }
     }
 
+    // -- the context ladder (CONTRACT §3a) ------------------------------------------------------------------
+
+    /// Before a call that fills the caches up to `positions`: onto the smallest rung that holds them, when the current
+    /// one does not, carrying the caches over (engine._climb).
+    func climb(_ positions: Int) throws {
+        if let ladder, rung < positions, positions <= context { try switchRung(ladder.rung(for: positions), carry: true) }
+    }
+
+    /// Before fresh caches are filled with `positions` tokens: the smallest rung that holds them, up or down; the
+    /// caches are empty, so nothing is carried (engine._start).
+    func start(_ positions: Int) throws {
+        if let ladder, ladder.rung(for: positions) != rung { try switchRung(ladder.rung(for: positions), carry: false) }
+    }
+
+    /// Runs the rung of `target` from now on: loads its infer functions, makes its states and (carry) copies in the
+    /// written prefix of every context-sized cache (slot = position: the rows past it are masked, never read) and the
+    /// rings as they are, then releases the rung left. Nothing changes if any of it fails.
+    func switchRung(_ target: Int, carry: Bool) throws {
+        guard let ladder else { return }
+        let t0 = Date()
+        let next = try ladder.runners(raw, context: target)
+        let t1 = Date()
+        let made = try next.map { try $0.makeState("infer") }
+        if carry {
+            for i in next.indices {
+                guard let now = made[i], let was = states[i] else { continue }
+                for spec in next[i].interfaces["infer"]?.states ?? [] {
+                    var a = try runners[i].readState(was, name: spec.name)
+                    if spec.name != Self.ringState {
+                        a = try Self.prefix(a, rows: position, into: next[i].readState(now, name: spec.name))
+                    }
+                    try next[i].writeState(now, name: spec.name, a)
+                }
+            }
+        }
+        let t2 = Date()
+        for r in runners { r.release(r.functionNames) }
+        if carry {
+            crossings.append(
+                Crossing(
+                    before: rung, after: target, position: position, loadSeconds: t1.timeIntervalSince(t0),
+                    copySeconds: t2.timeIntervalSince(t1)))
+        }
+        runners = next
+        states = made
+        functions = next.map { r in r.interfaces.filter { !dropped.contains($0.key) } }
+        paths.context = target
+        loaded = ["infer"]
+    }
+
+    /// `into` with the first `rows` rows of axis 2 of `from` copied in (a context-sized cache [a, b, C, d...]).
+    static func prefix(_ from: Tensor, rows: Int, into: Tensor) throws -> Tensor {
+        guard from.shape.count >= 3, into.shape.count == from.shape.count, from.dtype == into.dtype,
+            Array(from.shape[..<2]) == Array(into.shape[..<2]), Array(from.shape[3...]) == Array(into.shape[3...]),
+            rows <= from.shape[2], rows <= into.shape[2]
+        else {
+            throw GemmaANEError(.bundle, "a context-sized state \(from.shape) cannot grow into \(into.shape)")
+        }
+        let row = from.shape[3...].reduce(1, *) * from.dtype.size
+        let outer = from.shape[0] * from.shape[1]
+        var bytes = into.bytes
+        bytes.withUnsafeMutableBytes { dst in
+            from.bytes.withUnsafeBytes { src in
+                for o in 0..<outer {
+                    let s = o * from.shape[2] * row, d = o * into.shape[2] * row
+                    dst.baseAddress!.advanced(by: d).copyMemory(from: src.baseAddress!.advanced(by: s), byteCount: rows * row)
+                }
+            }
+        }
+        return Tensor(shape: into.shape, dtype: into.dtype, bytes: bytes)
+    }
+
     // -- the cache rules ------------------------------------------------------------------------------
 
     /// Rewinds the caches to the longest prefix of `ids` they hold exactly and returns its length (0: they start
@@ -325,6 +421,7 @@ public final class Engine {
             throw GemmaANEError(.input, "prompt of \(ids.count) tokens exceeds the context of \(context)")
         }
         let kept = try reuse(ids)
+        if kept == 0 { try start(ids.count) }
         let stops = Set(marks.filter { kept < $0 && $0 < ids.count } + [ids.count]).sorted()
         var logits: Tensor?
         for stop in stops {

@@ -188,9 +188,12 @@ public final class PipeRunner: ChunkRunner {
     final class State: ChunkState {
         let id: Int
         let client: PipeClient
-        init(id: Int, client: PipeClient) {
+        /// The function that made it: its declared states are this state's shapes.
+        let function: String
+        init(id: Int, client: PipeClient, function: String) {
             self.id = id
             self.client = client
+            self.function = function
         }
         deinit { client.release(id) }
     }
@@ -223,10 +226,13 @@ public final class PipeRunner: ChunkRunner {
         _ = try client.call(["op": "load", "chunk": name, "function": function])
     }
 
-    public func makeState() throws -> ChunkState? {
-        let (reply, _) = try client.call(["op": "make_state", "chunk": name])
-        return reply["state"]?.int.map { State(id: $0, client: client) }
+    public func makeState(_ function: String) throws -> ChunkState? {
+        let (reply, _) = try client.call(["op": "make_state", "chunk": name, "function": function])
+        return reply["state"]?.int.map { State(id: $0, client: client, function: function) }
     }
+
+    /// Nothing to free: the executor's functions share one copy of the weights, loaded with the package.
+    public func release(_ functions: [String]) {}
 
     private func stateId(_ state: ChunkState?) throws -> Any {
         guard let state else { return NSNull() }
@@ -263,7 +269,8 @@ public final class PipeRunner: ChunkRunner {
 
     public func writeState(_ state: ChunkState, name state_name: String, _ tensor: Tensor) throws {
         // the server reads exactly the declared bytes: anything else is refused here, before the stream falls out of step
-        guard let spec = interfaces[functionNames.first ?? "infer"]?.states.first(where: { $0.name == state_name }),
+        guard let made = (state as? State)?.function,
+            let spec = interfaces[made]?.states.first(where: { $0.name == state_name }),
             spec.shape == tensor.shape, spec.dtype == tensor.dtype
         else {
             throw GemmaANEError(.input, "\(name): state \(state_name) is not \(tensor.shape) \(tensor.dtype.rawValue)")

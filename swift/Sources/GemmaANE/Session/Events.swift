@@ -13,6 +13,8 @@ public struct GenerationStats: Sendable, Equatable {
     public var prefillTokensPerSecond: Double
     /// Tokens after the first, per second.
     public var decodeTokensPerSecond: Double
+    /// The context ladder's climbs during this generation (CONTRACT §3a), each as the Python runtime describes it.
+    public var crossings: [String] = []
 }
 
 /// One step of a streamed generation. Each token drawn is a `.token` (its id), then what it released: answer

@@ -99,6 +99,7 @@ public final class GemmaModel: @unchecked Sendable {
         }
         var parser = try OutputParser(tokenizer: tokenizer, stop: stop, toolNames: toolNames)
         let start = Date()
+        let climbed = engine.crossings.count
         var (reused, logits) = try engine.prompt(ids, marks: marks, cancelled: cancelled)
         var sampler = try Sampler(options: sampling, history: ids.filter { $0 >= 0 })
         var generated = 0, finish: String?, firstToken: Date?
@@ -148,7 +149,8 @@ public final class GemmaModel: @unchecked Sendable {
             finishReason: finish ?? "length", promptTokens: ids.count, reusedTokens: reused, generatedTokens: generated,
             timeToFirstToken: firstToken == nil ? 0 : ttft,
             prefillTokensPerSecond: firstToken != nil && ttft > 0 ? Double(ids.count - reused) / ttft : 0,
-            decodeTokensPerSecond: generated > 1 && decode > 0 ? Double(generated - 1) / decode : 0)
+            decodeTokensPerSecond: generated > 1 && decode > 0 ? Double(generated - 1) / decode : 0,
+            crossings: engine.crossings[climbed...].map(\.description))
         _ = onEvent(.finish(stats))
         return stats
     }
