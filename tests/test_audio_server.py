@@ -63,9 +63,12 @@ def test_input_audio_parts_reach_the_model_as_decoded_samples_in_place():
     assert r.status_code == 200, r.text
     [content] = [m["content"] for m in model.calls[0]["messages"]]
     assert [p["type"] for p in content] == ["text", "audio", "text", "audio"]
-    # the runtime's own reading of the files: resampled, downmixed, as a path or bytes would be
-    np.testing.assert_array_equal(content[1]["audio"], audio.load_audio(CLIP))
-    np.testing.assert_array_equal(content[3]["audio"], audio.load_audio(other))
+    # the runtime's own reading of the files (resampled, downmixed, as a path or bytes would be), in the media the
+    # prepared request encodes, decoded once the request held its place in the queue
+    clips = [(where, s) for kind, where, s in model.calls[0]["sources"] if kind == "audio"]
+    assert [where for where, _ in clips] == ["messages[0].content[1]", "messages[0].content[3]"]
+    np.testing.assert_array_equal(clips[0][1], audio.load_audio(CLIP))
+    np.testing.assert_array_equal(clips[1][1], audio.load_audio(other))
 
 
 AT = "messages[0].content[1]"

@@ -834,7 +834,7 @@ def test_unimplemented_op_is_refused_at_load_naming_op_and_function(multifunctio
     def prog(x):
         return mb.erf(x=x, name="y")
 
-    with pytest.raises(ExecutionError, match=r"function 'main': op type 'erf' is not implemented"):
+    with pytest.raises(ExecutionError, match=r"function 'main', op 'y': op type 'erf' is not implemented"):
         MILModel(build(prog, tmp_path / "p.mlpackage", "erf"))
 
 

@@ -705,6 +705,7 @@ class FakeModel(Model):
                 **{f.name: getattr(prepared.params, f.name) for f in fields(prepared.params)},
                 "tools": prepared.tools,
                 "tool_choice": prepared.rule.choice,
+                "sources": prepared.sources,  # the media as the runtime encodes them
             }
         )
         for ev in self.script:

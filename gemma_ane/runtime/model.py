@@ -273,9 +273,8 @@ class Model:
         stop = check_stop(r.stop)
         tools = check_tools(r.tools) if r.tools is not None else None
         # a named choice is one call; required and auto follow parallel_tool_calls (tools.parallel_calls)
-        r = replace(
-            r, parallel_tool_calls=parallel_calls(check_tool_choice(r.tool_choice, tools), r.parallel_tool_calls)
-        )
+        parallel = parallel_calls(check_tool_choice(r.tool_choice, tools), r.parallel_tool_calls)
+        r = r if parallel == r.parallel_tool_calls else replace(r, parallel_tool_calls=parallel)
         text, rule = self._rule(tools, r, params, caps)  # a grammar the argmax head cannot follow: named first
         if not caps.logits:
             check_argmax_head(params)
