@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from test_audio_prompts import tone  # a chirp with noise: every frame differs from its neighbours
 
 from gemma_ane.bundle import read_model_config
 from gemma_ane.oracle.tiny import write_tiny
@@ -45,15 +46,6 @@ TEXT_MIN_COSINE = 0.9995
 LOGIT_ERR = 0.25
 ALL_MIN_COSINE = 0.99
 SECONDS = (0.3, 0.5, 0.9)  # 8, 13 and 23 soft tokens: mid-block ends in every chunk size above
-
-
-def tone(seconds: float, seed: int) -> np.ndarray:
-    n = round(seconds * audio.SAMPLE_RATE)
-    t = np.arange(n) / audio.SAMPLE_RATE
-    rng = np.random.default_rng(seed)
-    return (0.4 * np.sin(2 * np.pi * (200 + 300 * seed + 500 * t) * t) + 0.05 * rng.standard_normal(n)).astype(
-        np.float32
-    )
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
