@@ -24,7 +24,7 @@ step 2 "the tiny Gemma 4 trained to answer and to caption four pictures (shipped
 gemma-ane tiny "$OUT/ckpt" --preset demo --force
 
 step 3 "the chunk plan: which layers, caches and functions each Core ML chunk gets"
-gemma-ane plan "$OUT/ckpt" --context 512
+gemma-ane plan "$OUT/ckpt" --context 512 --bits 16  # as step 5 converts it
 
 step 4 "the PyTorch chunk graph equals transformers at every position (fp32)"
 gemma-ane verify "$OUT/ckpt" --tokens 160 --prompt-tokens 24 --precision fp32
