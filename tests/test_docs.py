@@ -99,7 +99,18 @@ def test_a_bad_mark_is_refused(tmp_path):
 def test_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-q",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -125,5 +136,25 @@ def test_example_prints_what_it_shows(example, demo_bundle16, tmp_path):
             timeout=300,
         )
         assert run.returncode == example.exit, f"{example.where}: $ {command}\n{run.stderr}"
-        why = mismatch(expected, run.stderr if example.stderr else run.stdout, example.regex)
+        printed = (run.stderr if example.stderr else run.stdout).replace(str(demo_bundle16), "demo/bundle")
+        why = mismatch(expected, printed, example.regex)
         assert why is None, f"{example.where}: $ {command}\n{why}"
+
+
+def test_benchmarks_table_is_current(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summary
+
+    assert summary.main(["--check"]) == 0, "BENCHMARKS.md: run python bench/summary.py"
+    copy = tmp_path / "BENCHMARKS.md"
+    copy.write_text(
+        (ROOT / "BENCHMARKS.md").read_text()
+        + "\n## start-up — 2099-01-01 00:00\n\n- command: `python bench/startup.py`\n- machine: M\n- versions: v\n\n"
+        + "- load and one token: **0.5 s**\n"
+    )
+    assert summary.main(["--check", "--path", str(copy)]) == 1  # a new entry makes the table stale
+    assert summary.main(["--path", str(copy)]) == 0
+    assert (
+        "| start-up | load and one token: **0.5 s** | M | 2099-01-01 00:00 | `python bench/startup.py` |"
+        in (copy.read_text().split("<!-- /current -->")[0])
+    )
