@@ -31,12 +31,21 @@ let package = Package(
         ),
         .executableTarget(
             name: "gemma-ane-swift",
-            dependencies: ["GemmaANE", "GemmaANECoreML"],
+            dependencies: [
+                "GemmaANE", "GemmaANECoreML",
+                .target(name: "CoreMLStandIn", condition: .when(platforms: [.linux])),
+            ],
             path: "swift/Sources/gemma-ane-swift"
         ),
+        // The host-work benchmark bench/swift_host.py builds in release and times (sampling, tokenizer load).
+        .executableTarget(name: "gemma-ane-bench", dependencies: ["GemmaANE"], path: "swift/Sources/gemma-ane-bench"),
         .testTarget(
             name: "GemmaANETests",
-            dependencies: ["GemmaANE", "GemmaANECoreML"],
+            dependencies: [
+                "GemmaANE", "GemmaANECoreML",
+                // the CoreML* tests steer the stand-in (refusals, the interpreter) where it runs
+                .target(name: "CoreMLStandIn", condition: .when(platforms: [.linux])),
+            ],
             path: "swift/Tests/GemmaANETests"
         ),
     ]

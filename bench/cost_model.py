@@ -1,6 +1,7 @@
 """Per-token cost of a bundle and the decode speed it allows on Apple silicon: bounds, not measurements.
 
     python bench/cost_model.py BUNDLE
+    python bench/cost_model.py --ladder CONFIG [--contexts 2048,8192,32768]
 
 From `gemma-ane inspect --json BUNDLE` (the saved programs' own weights and ops) and the bundle's
 model_config.json:
@@ -17,6 +18,10 @@ Decode on the ANE is bandwidth-bound: each token streams every weight once, and 
 MACs per byte (~4 at 4 bits) sit far below what the ANE can compute per byte fetched. The KV
 bytes are given twice: as the static-shape programs read them (every cache whole, at any
 position: this is what the bundle does) and as a kernel that reads only the valid rows would.
+
+With --ladder, from a checkpoint's config.json alone (the chunk plan, no bundle): the bytes one decoded token
+reads at a few positions in a context ladder (bundle.ladder: the smallest rung holding the position runs) against
+single-context bundles of its smallest and largest context, each rung's weights, KV and hand-offs as `plan` shows.
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import publish  # noqa: E402
+
+from gemma_ane.bundle.ladder import rung_costs  # noqa: E402
+from gemma_ane.bundle.plan import ChunkPlan  # noqa: E402
+from gemma_ane.bundle.spec import ModelSpec  # noqa: E402
 
 # Measured ANE bandwidths (GB/s), from public write-ups; ranges use their midpoint.
 BANDWIDTH = {"A17 Pro": 51, "A18 Pro": 60, "A19 Pro": 77, "M1-M2": 58.5, "M3/M4 base": 66.5, "M4 Pro/Max": 120}
@@ -246,12 +256,61 @@ def render_speculative(s: dict, d: dict) -> list[str]:
     return lines
 
 
+LADDER = (2048, 8192, 32768)
+POSITIONS = (1000, 6000, 30000)
+
+
+def ladder_table(config: dict, contexts=LADDER, positions=POSITIONS, bits: int = 4) -> list[dict]:
+    """Per position: bytes per decoded token of the ladder (on the smallest rung holding the position) and of
+    single-context bundles of its smallest and largest context (None where the position does not fit)."""
+    spec = ModelSpec.from_config(config)
+    ladder = {c["context"]: c for c in rung_costs(ChunkPlan.build(spec, contexts[-1], contexts=contexts), bits)}
+    alone = {C: rung_costs(ChunkPlan.build(spec, C), bits)[0] for C in (contexts[0], contexts[-1])}
+    rows = []
+    for p in positions:
+        rung = next(C for C in contexts if C > p)
+        row = {"position": p, "rung": rung, "ladder": ladder[rung]["bytes_per_token"], "parts": ladder[rung]}
+        row.update({f"{C} only": a["bytes_per_token"] if p < C else None for C, a in alone.items()})
+        rows.append(row)
+    return rows
+
+
+def render_ladder(name: str, contexts, rows: list[dict]) -> str:
+    small, large = f"{contexts[0]} only", f"{contexts[-1]} only"
+    lines = [
+        f"`{name}`, ladder {' / '.join(map(str, contexts))} (4-bit weights): bytes one decoded token reads "
+        "(weights + KV + hand-offs), from the plan:",
+        "",
+        f"| position | rung | ladder | {small} | {large} | ladder / {small} | ladder / {large} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = f"{r['ladder'] / r[small]:.3f}" if r[small] else "-"
+        lines.append(
+            f"| {r['position']:,} | {r['rung']} | {mb(r['ladder'])} | {mb(r[small]) if r[small] else 'does not fit'} "
+            f"| {mb(r[large])} | {ratio} | {r['ladder'] / r[large]:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bundle")
+    p.add_argument("bundle", nargs="?")
+    p.add_argument("--ladder", metavar="CONFIG", help="a checkpoint's config.json: the context ladder's table instead")
+    p.add_argument("--contexts", default=",".join(map(str, LADDER)), help="the ladder's rungs (with --ladder)")
     p.add_argument("--json", action="store_true", help="print the model as JSON instead of tables")
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md (default: print only)")
     a = p.parse_args(argv)
+    if a.ladder:
+        contexts = tuple(int(c) for c in a.contexts.split(","))
+        rows = ladder_table(json.loads(Path(a.ladder).read_text()), contexts)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        publish("context ladder cost", render_ladder(a.ladder, contexts, rows), a)
+        return
+    if a.bundle is None:
+        p.error("give a BUNDLE, or --ladder CONFIG")
     config_path = Path(a.bundle) / "model_config.json"
     if not config_path.is_file():
         sys.exit(f"error: {config_path}: missing (not a gemma-ane bundle?)")

@@ -21,7 +21,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record, tiny_bundle  # noqa: E402
 
+from gemma_ane.bundle import open_bundle  # noqa: E402
 from gemma_ane.runtime.backend import open_engine  # noqa: E402
+from gemma_ane.runtime.device import Device  # noqa: E402
 
 MATMUL = {"linear", "matmul"}
 
@@ -53,7 +55,7 @@ def main(argv=None):
         if not a.bundle and not a.quick:
             p.error("give a BUNDLE, or --quick")
         bundle = Path(a.bundle) if a.bundle else tiny_bundle(Path(tmp), bits=4)
-        engine = open_engine(bundle)
+        engine = open_engine(open_bundle(bundle, check=False), Device.of("mil"))
         rng = np.random.default_rng(0)
         vocab = engine.host.embed_q.shape[0]
         engine.feed(rng.integers(0, vocab, 4))  # warm-up (first calls touch every weight)

@@ -42,10 +42,12 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
 
 
 def run_executor(bundle: str, n_prompt: int, n_decode: int) -> dict:
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
     t = time.perf_counter()
-    engine = open_engine(bundle, "mil")
+    engine = open_engine(open_bundle(bundle, check=False), Device.of("mil"))
     load = time.perf_counter() - t
     vocab = json.loads((Path(bundle) / "model_config.json").read_text())["vocab_size"]
     ids = prompt_ids(vocab, n_prompt)

@@ -35,6 +35,7 @@ The stand-in's compiled form (what `compileModel` writes; only this stand-in can
     NAME.mlmodelc/
         standin.json        {"standin": "gemma-ane tests", "source": "NAME.mlpackage", "source_path": ...}
         model.mil           text: one line per function with its inputs, states and outputs
+        metadata.json       as Apple's compiler writes it (`metadata`): what a reader off the Mac can learn
         standin.mlpackage/  a copy of the source package, which the executor runs
 
 Where it differs from Core ML, by choice: an int32 input given a float array (or the reverse) is an
@@ -67,7 +68,7 @@ MACOS = (15, 0)
 UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 MARKER = "standin.json"
 # our modules that ask platform.system() whether they are on a Mac
-PLATFORM_MODULES = ("gemma_ane.runtime.backend", "gemma_ane.convert.driver", "gemma_ane.convert.options")
+PLATFORM_MODULES = ("gemma_ane.runtime.device", "gemma_ane.convert.driver", "gemma_ane.convert.options")
 
 
 @dataclass
@@ -129,6 +130,66 @@ def _signatures(package: Package) -> list[str]:
         args = ", ".join(f"{n}: {t['dtype']}{t['shape']}" for k in ("inputs", "states") for n, t in io[k].items())
         lines.append(f"func {f}({args}) -> ({', '.join(io['outputs'])})")
     return lines
+
+
+# numpy's dtype names -> metadata.json's dataType
+DATA_TYPES = {"float16": "Float16", "float32": "Float32", "float64": "Double", "int32": "Int32"}
+
+
+def _features(features: dict, kind: str) -> list[dict]:
+    """Feature entries of a metadata.json schema, field for field as coremlcompiler writes them: every value a
+    string (`shape` too, "[1, 1, 64]"), `formattedType` spelled "MultiArray (Float16 1 × 1 × 64)"."""
+    out = []
+    for name, t in features.items():
+        dtype, shape = DATA_TYPES[t["dtype"]], list(t["shape"])
+        out.append(
+            {
+                "hasShapeFlexibility": "0",
+                "isOptional": "0",
+                "dataType": dtype,
+                "formattedType": f"{kind} ({dtype} {' × '.join(map(str, shape))})",
+                "shortDescription": "",
+                "shape": json.dumps(shape),
+                "name": name,
+                "type": kind,
+            }
+        )
+    return out
+
+
+def _schemas(io: dict) -> dict:
+    return {
+        "inputSchema": _features(io["inputs"], "MultiArray"),
+        "outputSchema": _features(io["outputs"], "MultiArray"),
+        "stateSchema": _features(io["states"], "State"),
+    }
+
+
+def metadata(package: Package, name: str) -> list[dict]:
+    """NAME.mlmodelc/metadata.json as Apple's compiler writes it for an ML Program: a list of one model entry
+    whose inputSchema, outputSchema and stateSchema are the default function's; a multifunction model adds
+    `functions` (each function's own three schemas) and `defaultFunctionName`. The op histogram and precisions
+    are the compiler's own findings, which a stand-in cannot make: left empty and unknown."""
+    spec, default = package.spec, package.default_function
+    entry = {
+        "metadataOutputVersion": "3.0",
+        "storagePrecision": "",
+        **_schemas(package.interface(default)),
+        "modelParameters": [],
+        "specificationVersion": spec.specificationVersion,
+        "mlProgramOperationTypeHistogram": {},
+        "computePrecision": "",
+        "isUpdatable": "0",
+        "availability": {"macOS": "15.0", "iOS": "18.0", "tvOS": "18.0", "visionOS": "2.0", "watchOS": "11.0"},
+        "modelType": {"name": "MLModelType_mlProgram"},
+        "userDefinedMetadata": dict(spec.description.metadata.userDefined),
+        "generatedClassName": name.replace("-", "_"),
+        "method": "predict",
+    }
+    if spec.description.functions:
+        entry["defaultFunctionName"] = default
+        entry["functions"] = [{"name": f, **_schemas(package.interface(f))} for f in package.function_names]
+    return [entry]
 
 
 def _to_python(a: np.ndarray) -> np.ndarray:
@@ -246,6 +307,7 @@ class _MLModelProxy:
         shutil.copytree(source, out / "standin.mlpackage")
         header = f"// compiled by the gemma-ane tests' Core ML stand-in from {source.name}"
         (out / "model.mil").write_text("\n".join([header, *_signatures(package)]) + "\n")
+        (out / "metadata.json").write_text(json.dumps(metadata(package, source.stem), indent=2))
         marker = {"standin": "gemma-ane tests", "source": source.name, "source_path": str(source.resolve())}
         (out / MARKER).write_text(json.dumps(marker))
         return str(out)

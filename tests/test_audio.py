@@ -128,7 +128,7 @@ def test_bad_clips_are_one_line_errors(tmp_path):
     bad = tmp_path / "notes.wav"
     bad.write_text("not a sound at all")
     cases = [
-        (lambda: audio.load_audio(bad), rf"^audio {bad}: not audio \(or in a format libsndfile cannot read\)$"),
+        (lambda: audio.load_audio(bad), rf"^audio {bad}: not audio \(WAV, FLAC, OGG or MP3, by its first bytes\)$"),
         (lambda: audio.load_audio(tmp_path / "gone.wav"), rf"^audio {tmp_path}/gone.wav: No such file or directory$"),
         (lambda: audio.load_audio(tmp_path), rf"^audio {tmp_path}: Is a directory$"),
         (lambda: audio.load_audio(b"RIFF....WAVEfmt "), r"^audio: not audio"),
@@ -204,3 +204,133 @@ def test_mp3_input_audio_decodes_and_resamples():
     got = audio.load_audio(audio.input_audio_bytes({"data": base64.b64encode(data).decode(), "format": "mp3"}))
     assert abs(len(got) - SR) <= 1200  # the encoder's priming and padding frames (at most one MP3 frame)
     assert 0.25 < np.abs(got).max() < 0.4
+
+
+# -- bounds from the header (issue 43: decompression bombs, formats, rates) ---------------------------------------
+
+
+def encoded(x, rate, fmt, subtype=None) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def no_decoding(monkeypatch):
+    monkeypatch.setattr(sf.SoundFile, "read", lambda *a, **k: pytest.fail("decoded a clip the header refuses"))
+
+
+def test_a_many_channel_bomb_is_refused_from_its_header(monkeypatch):
+    # 0.1 s of 255 nearly silent channels: 44 KB of Vorbis (30 s of it decoded to 1.4 GB before the header bound)
+    bomb = encoded(np.full((4800, 255), 1e-4, np.float32), 48_000, "OGG", "VORBIS")
+    assert len(bomb) < 100_000
+    no_decoding(monkeypatch)
+    with one_line(r"^clip: 255 channels; at most 8 are read$"):
+        audio.load_audio(bomb, "clip")
+    with one_line(r"^clip: 255 channels; at most 8 are read$"):
+        audio.probe_audio(bomb, "clip")
+
+
+@pytest.mark.parametrize("rate", [1, 7_999, 192_001, 655_350])
+def test_rates_outside_8k_to_192k_are_refused_before_decoding(monkeypatch, rate):
+    # a 1 Hz WAV of 20 samples was the 30 s bucket (750 soft tokens); 655,350 Hz FLAC, 709 MB decoded
+    data = encoded(np.full(20, 0.1, np.float32), rate, "WAV", "PCM_16")
+    no_decoding(monkeypatch)
+    with one_line(rf"^clip: {rate} Hz; the sample rate must be 8000 to 192000 Hz$"):
+        audio.load_audio(data, "clip")
+
+
+@pytest.mark.parametrize("rate", [8_000, 192_000])
+def test_the_rate_bounds_are_read(rate):
+    x = (0.3 * np.sin(np.arange(rate // 10) / 5)).astype(np.float32)
+    assert np.array_equal(audio.load_audio(encoded(x, rate, "WAV", "FLOAT")), soxr.resample(x, rate, SR, "HQ"))
+
+
+def test_a_big_clip_within_the_bounds_never_holds_its_channels():
+    """8 channels at 192 kHz, 10 s: 61 MB as float32 with every channel, a FLAC of a few hundred KB. Decoded block
+    by block and downmixed as it comes, the traced peak is the mono clip at its own rate and little more."""
+    import tracemalloc
+
+    rate, seconds = 192_000, 10
+    buf = io.BytesIO()
+    with sf.SoundFile(buf, "w", rate, 8, format="FLAC", subtype="PCM_16") as f:
+        second = np.full((rate, 8), 0.01, np.float32)  # a constant: not silent, nearly free to compress
+        for _ in range(seconds):
+            f.write(second)
+    bomb = buf.getvalue()
+    assert len(bomb) < 2_000_000
+    mono = rate * seconds * 4
+    tracemalloc.start()
+    try:
+        x = audio.load_audio(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(x) == seconds * SR
+    assert peak < 1.25 * mono + 2 * audio.BLOCK_FRAMES * 8 * 4, (peak, mono)  # all channels: 8 * mono
+
+
+def test_the_blockwise_downmix_is_the_whole_clips_mean_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-0.5, 0.5, (10_007, 5)).astype(np.float32)
+    data = encoded(x, 44_100, "WAV", "FLOAT")
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 1000)  # eleven blocks, the last one short
+    want = soxr.resample(x.mean(axis=1, dtype=np.float32), 44_100, SR, quality="HQ")
+    assert np.array_equal(audio.load_audio(data), want)
+
+
+@pytest.mark.parametrize(
+    "fmt, subtype", [("AIFF", "PCM_16"), ("AU", "PCM_16"), ("CAF", "PCM_16"), ("W64", "PCM_16"), ("RF64", "PCM_16")]
+)
+def test_other_containers_never_reach_libsndfile(monkeypatch, fmt, subtype):
+    data = encoded(np.full(4000, 0.1, np.float32), SR, fmt, subtype)
+    monkeypatch.setattr(sf, "SoundFile", lambda *a, **k: pytest.fail(f"libsndfile parsed {fmt}"))
+    with one_line(r"^clip: not audio \(WAV, FLAC, OGG or MP3, by its first bytes\)$"):
+        audio.load_audio(data, "clip")
+
+
+def test_only_the_plain_encodings_of_the_four_are_decoded(monkeypatch):
+    data = encoded(np.full(4000, 0.1, np.float32), SR, "WAV", "IMA_ADPCM")
+    no_decoding(monkeypatch)
+    with one_line(r"^clip: WAV \(IMA_ADPCM\) is not among the formats read \(WAV, FLAC, OGG Vorbis or Opus, MP3\)$"):
+        audio.load_audio(data, "clip")
+
+
+def test_input_audio_format_must_agree_with_the_bytes():
+    tone = (0.3 * np.sin(np.arange(4000) / 3)).astype(np.float32)
+    flac = base64.b64encode(encoded(tone, SR, "FLAC")).decode()
+    aiff = base64.b64encode(encoded(tone, SR, "AIFF", "PCM_16")).decode()
+    assert audio.input_audio_bytes({"data": flac, "format": "flac"})[:4] == b"fLaC"
+    with one_line(r"^input_audio.format: 'wav', but the data is FLAC$"):
+        audio.input_audio_bytes({"data": flac, "format": "wav"})
+    with one_line(r"^input_audio.data: not audio \(WAV, FLAC, OGG or MP3, by its first bytes\)$"):
+        audio.input_audio_bytes({"data": aiff, "format": "wav"})
+
+
+def test_the_header_states_the_soft_tokens_before_decoding(monkeypatch):
+    for rate, n in ((SR, 16_000), (44_100, 44_100 * 3 + 7), (22_050, 12_345)):
+        data = encoded(np.full(n, 0.1, np.float32), rate, "WAV", "PCM_16")
+        want = audio.soft_tokens(len(audio.load_audio(data)))
+        with monkeypatch.context() as m:
+            no_decoding(m)
+            header = audio.probe_audio(data)
+        assert (header.kind, header.rate, header.channels, header.frames) == ("wav", rate, 1, n)
+        assert header.soft_tokens == want
+
+
+def test_a_path_must_be_a_regular_file(tmp_path):
+    """A FIFO is refused without waiting for a writer (issue 43: `generate --audio FIFO` hung); a device too."""
+    import os
+    import threading
+
+    fifo = tmp_path / "clip.wav"
+    os.mkfifo(fifo)
+    # should the reader block, a writer opens (and closes) the FIFO after a while: the test fails, never hangs
+    rescue = threading.Timer(10, lambda: open(fifo, "wb").close())
+    rescue.start()
+    try:
+        with one_line(rf"^--audio {fifo}: not a regular file \(a FIFO\)$"):
+            audio.load_audio(fifo, "--audio")
+    finally:
+        rescue.cancel()
+    with one_line(r"^--audio /dev/zero: not a regular file \(a character device\)$"):
+        audio.load_audio("/dev/zero", "--audio")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import numpy as np
@@ -32,6 +33,8 @@ def clips(tmp_path_factory) -> dict:
     soundfile.write(paths["long"], tone(1.5, 1, 44_100), 44_100, format="FLAC")
     soundfile.write(paths["too long"], tone(3.0, 2), audio.SAMPLE_RATE, subtype="PCM_16")
     paths["text"].write_text("not a sound")
+    paths["fifo"] = d / "fifo.wav"  # issue 43: `generate --audio FIFO` waited for a writer forever
+    os.mkfifo(paths["fifo"])
     return paths
 
 
@@ -45,13 +48,14 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     "case,needle",
     [
         ("missing", "--audio {d}/nowhere.wav: No such file or directory"),
-        ("text", "--audio {d}/t.wav: not audio (or in a format libsndfile cannot read)"),
+        ("text", "--audio {d}/t.wav: not audio (WAV, FLAC, OGG or MP3, by its first bytes)"),
+        ("fifo", "--audio {d}/fifo.wav: not a regular file (a FIFO)"),
         ("raw", "--audio: a raw prompt has no chat template to place the clip in; drop --raw"),
     ],
 )
 def test_generate_refuses_a_bad_clip_in_one_line_before_loading_anything(capsys, clips, case, needle):
     d = clips["short"].parent
-    path = {"missing": d / "nowhere.wav", "text": clips["text"], "raw": clips["short"]}[case]
+    path = {"missing": d / "nowhere.wav", "raw": clips["short"]}.get(case) or clips[case]
     flags = ["--raw"] if case == "raw" else []
     # the bundle does not exist: the clip is refused first
     rc, out, err = run(capsys, "generate", str(d / "no-bundle"), "-p", "Hi", "--audio", str(path), *flags)
@@ -127,7 +131,7 @@ def test_chat_sends_the_clip_with_the_next_message_and_goes_on_after_bad_ones(
     assert rc == 0, err
     assert err.splitlines() == [
         f"gemma-ane chat: error: /audio {d}/nowhere.wav: No such file or directory",
-        f"gemma-ane chat: error: /audio {clips['text']}: not audio (or in a format libsndfile cannot read)",
+        f"gemma-ane chat: error: /audio {clips['text']}: not audio (WAV, FLAC, OGG or MP3, by its first bytes)",
         f"gemma-ane chat: error: /audio {clips['too long']}: 3.0 s long; the limit is 2.41 s",
         "gemma-ane chat: error: usage: /audio FILE",
     ]

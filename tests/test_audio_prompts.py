@@ -251,16 +251,18 @@ def test_a_bundle_without_audio_says_so(audio_bundle, clips):
 
 
 def test_load_opens_the_audio_model_only_when_the_config_states_one(audio_bundle):
+    from gemma_ane.bundle import Bundle, BundleConfig
+    from gemma_ane.runtime.device import Device
     from gemma_ane.runtime.encoder import open_audio_encoder
 
+    def stated(config):
+        return Bundle(audio_bundle, BundleConfig.of(config, "model_config.json"), [])
+
     config = read_model_config(audio_bundle)
-    assert (
-        open_audio_encoder(audio_bundle, "mil", "fp16", "cpu_only", {k: v for k, v in config.items() if k != "audio"})
-        is None
-    )
+    assert open_audio_encoder(stated({k: v for k, v in config.items() if k != "audio"}), Device.of("mil")) is None
     wrong = {**config, "audio": {**config["audio"], "buckets": [96, 240]}}
     with pytest.raises(Exception, match="has no function 'encode_96' taking \\(1, 96, 128\\)"):
-        open_audio_encoder(audio_bundle, "mil", "fp16", "cpu_only", wrong)
+        open_audio_encoder(stated(wrong), Device.of("mil"))
 
 
 def test_model_card_names_the_audio_model(audio_bundle):

@@ -44,6 +44,7 @@ def text(s: str) -> dict:
 def fake(hears=HEARS) -> FakeModel:
     model = FakeModel(THOUGHT)
     model.audio = hears
+    model.context = 4096  # room for four 30 s clips (750 soft tokens each) and the text
     return model
 
 
@@ -70,6 +71,7 @@ def test_input_audio_parts_reach_the_model_as_decoded_samples_in_place():
 AT = "messages[0].content[1]"
 SILENT = io.BytesIO()
 soundfile.write(SILENT, np.zeros(8000, np.float32), audio.SAMPLE_RATE, format="WAV")
+WAVE = b"RIFF\0\0\0\0WAVE"  # a WAV's first bytes, so that the size is what is refused
 BAD = {
     # name: (part, status, param, code, a phrase of the message)
     "not audio": (part(b"hello, not a sound file"), 400, AT, None, "not audio"),
@@ -80,7 +82,7 @@ BAD = {
     "no data": ({"type": "input_audio", "input_audio": {"format": "wav"}}, 400, AT, None, ".data: expected"),
     "silent": (part(SILENT.getvalue()), 400, AT, None, "silent"),
     "too long": (part(wav(31.0, rate=8000)), 400, AT, None, "31.0 s long; the limit is 30 s"),
-    "too many bytes": (part(b"RIFF" + bytes(audio_limit(fake()))), 413, AT, "audio_too_large", "bytes, more than"),
+    "too many bytes": (part(WAVE + bytes(audio_limit(fake()))), 413, AT, "audio_too_large", "bytes, more than"),
 }
 
 
@@ -163,3 +165,40 @@ def test_input_audio_through_the_server_equals_the_library_and_is_cached(audio_b
         model.audio = None  # what load leaves for a bundle converted without one
         err = assert_openai_error(http.post(CHAT, json=body), 400, "messages[0].content[0]")
         assert "this bundle has no audio model" in err["message"]
+
+
+# -- the clips are decoded only for a request that fits (issue 43: decoded before the queue and context checks) ----
+
+
+def watch_decoding(monkeypatch) -> list:
+    from gemma_ane.server import media
+
+    decoded, load = [], media.load_audio
+    monkeypatch.setattr(media, "load_audio", lambda *a, **k: decoded.append(a[1]) or load(*a, **k))
+    return decoded
+
+
+def test_clips_past_the_context_are_refused_from_their_headers(monkeypatch):
+    decoded = watch_decoding(monkeypatch)
+    model = fake()
+    model.context = 200  # a 3 s clip is 75 soft tokens: three fit, four do not
+    with serving(model) as http:
+        assert ask(http, text("a"), *[part(wav(3.0))] * 2).status_code == 200
+        assert decoded == [AT, "messages[0].content[2]"]
+        decoded.clear()
+        r = ask(http, text("a"), *[part(wav(3.0, seed=k)) for k in range(4)])
+    err = assert_openai_error(r, 400, "messages", "context_length_exceeded")
+    assert "tokens (audio included), more than the model's context of 200" in err["message"]
+    assert decoded == [] and len(model.calls) == 1
+
+
+def test_a_full_queue_refuses_before_any_clip_is_decoded(monkeypatch):
+    from gemma_ane.server.worker import Worker
+
+    decoded = watch_decoding(monkeypatch)
+    monkeypatch.setattr(Worker, "admit", lambda self: False)
+    model = fake()
+    with serving(model) as http:
+        r = ask(http, text("a"), part(CLIP))
+    assert_openai_error(r, 429, None, "queue_full")
+    assert decoded == [] and model.calls == []

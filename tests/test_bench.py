@@ -266,3 +266,8 @@ def test_soak_quick(tiny_bundle16):
     assert int(out.split(" greedy decode steps in ")[1].split()[0]) > 1  # the run crossed the context
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == list(range(25, 301, 25))
+
+
+def test_swift_host_quick():
+    out = run("swift_host.py")
+    assert "Swift host work per decoded token" in out and "| greedy |" in out and "NO |" not in out

@@ -102,7 +102,7 @@ def test_backend_advice_speaks_to_both_cli_and_python():
     import platform
 
     from gemma_ane.errors import GemmaAneError
-    from gemma_ane.runtime.backend import pick_backend
+    from gemma_ane.runtime.device import pick_backend
 
     if platform.system() == "Darwin":
         pytest.skip("Core ML runs here")

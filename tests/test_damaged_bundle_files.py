@@ -16,7 +16,7 @@ import pytest
 from gemma_ane.bundle import BundleError, check_bundle, inspect_bundle
 from gemma_ane.cli import main
 from gemma_ane.files import FileFormatError, read_json, read_json_object
-from gemma_ane.runtime import model as runtime_model
+from gemma_ane.runtime import hf_files
 
 DEEP = "[" * 100000 + "]" * 100000  # the C parser recurses once per level: past Python's recursion limit
 
@@ -50,7 +50,7 @@ def test_an_unreadable_tokenizer_is_a_bundle_error_naming_it(tmp_path, text):
     path = tmp_path / "tokenizer.json"
     path.write_text(text)
     with pytest.raises(BundleError, match=rf"^{path}: unreadable tokenizer \(") as e:
-        runtime_model._tokenizer(path)
+        hf_files.read_tokenizer(path)
     assert "\n" not in str(e.value)
 
 
@@ -70,7 +70,7 @@ def test_generation_defaults_of_the_wrong_kind_name_the_file_and_field(tmp_path,
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps(config))
     with pytest.raises(BundleError) as e:
-        runtime_model._generation_config(path)
+        hf_files.read_generation_config(path)
     assert str(e.value).startswith(f"{path}: {needle}")
 
 
@@ -78,22 +78,22 @@ def test_sound_generation_defaults_read_back(tmp_path):
     path = tmp_path / "generation_config.json"
     config = {"do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95, "eos_token_id": [1, 106]}
     path.write_text(json.dumps(config))
-    assert runtime_model._generation_config(path) == config
-    assert runtime_model._generation_config(tmp_path / "absent.json") == {}
+    assert hf_files.read_generation_config(path) == config
+    assert hf_files.read_generation_config(tmp_path / "absent.json") == {}
 
 
 @pytest.mark.parametrize("name, text", [("tokenizer_config.json", "[]"), ("tokenizer_config.json", DEEP)])
 def test_a_damaged_tokenizer_config_is_a_bundle_error_naming_it(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(BundleError, match=rf"^{tmp_path / name}: "):
-        runtime_model._template(tmp_path)
+        hf_files.read_template(tmp_path)
 
 
 def test_a_chat_template_not_in_utf8_is_a_bundle_error_naming_it(tmp_path):
     path = tmp_path / "chat_template.jinja"
     path.write_bytes(b"\xff\xfe{{ messages }}")
     with pytest.raises(BundleError, match=rf"^{path}: unreadable chat template \('utf-8' codec"):
-        runtime_model._template(tmp_path)
+        hf_files.read_template(tmp_path)
 
 
 @pytest.mark.parametrize("what", ["absent", "file"])

@@ -19,7 +19,16 @@ import torch
 from margins import assert_argmax, repetition_penalised
 from safetensors.numpy import load_file, save_file
 
-from gemma_ane.bundle import BundleError, RowTable, check_bundle, load_host, read_model_config
+from gemma_ane.bundle import (
+    Bundle,
+    BundleConfig,
+    BundleError,
+    RowTable,
+    check_bundle,
+    load_host,
+    open_bundle,
+    read_model_config,
+)
 from gemma_ane.bundle.host import quantize_rows, rope_tables
 from gemma_ane.bundle.plan import ChunkPlan
 from gemma_ane.bundle.spec import FULL, SLIDING, ModelSpec
@@ -29,6 +38,7 @@ from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.assistant import AssistantModel, load_assistant
 from gemma_ane.mil.package import Package
 from gemma_ane.oracle.tiny import write_tiny
+from gemma_ane.runtime.device import Device
 from gemma_ane.runtime.drafter import CentroidHead, Drafter, open_drafter
 from gemma_ane.runtime.engine import FunctionUnavailable, HostTables
 
@@ -250,7 +260,12 @@ def test_the_drafter_flags_reach_the_options(capsys, pair, tmp_path, monkeypatch
 def _open(root, host_root=None, backend="mil", compute_units="cpu_and_ne"):
     config = read_model_config(host_root or root)
     host = load_host(host_root or root, config)
-    return open_drafter(root, backend, "fp16", compute_units, host, config), host
+    return open_drafter(stated(root, config), Device.of(backend, "fp16", compute_units), host), host
+
+
+def stated(root, config: dict) -> Bundle:
+    """The bundle at `root` as if its model_config.json were `config` (its chunks not needed here)."""
+    return Bundle(Path(root), BundleConfig.of(config, "model_config.json"), [])
 
 
 def test_the_16bit_package_equals_transformers(bundle16, oracle):
@@ -393,9 +408,9 @@ def test_check_reports_a_missing_assistant_package_or_sidecar(bundle16, tmp_path
     ]
     config = read_model_config(root)
     with pytest.raises(BundleError, match=r"assistant.mlpackage: missing \(model_config.json states an assistant"):
-        open_drafter(root, "mil", "fp16", "cpu_and_ne", load_host(root, config), config)
+        open_drafter(stated(root, config), Device.of("mil"), load_host(root, config))
     del config["assistant"]
-    assert open_drafter(root, "mil", "fp16", "cpu_and_ne", None, config) is None
+    assert open_drafter(stated(root, config), Device.of("mil"), None) is None
 
 
 def _model_config(tmp_path, **assistant):
@@ -593,7 +608,7 @@ def test_drafted_greedy_equals_transformers_at_every_step(bundle16, pair):
     assert r.finish_reason == "length" and len(ids) + len(r.tokens) > 3 * W + 5
     tables = {k: np.asarray(getattr(model.engine.host, k)) for k in ("embed_q", "embed_scales", "ple_q", "ple_scales")}
     target = oracle_model(Checkpoint(pair[0]), tables)
-    engine = open_engine(bundle16, "mil", "fp16")  # gemma_ane.load's precision
+    engine = open_engine(open_bundle(bundle16, check=False), Device.of("mil", "fp16"))  # gemma_ane.load's precision
     for name, tokens, ours in (
         ("plain", plain.tokens, run_engine(engine, np.asarray(ids + plain.tokens), len(ids), "last")),
         ("drafted", r.tokens, _verified_rows(engine, ids, r.tokens)),

@@ -25,8 +25,8 @@ from gemma_ane.errors import ConversionError, DeviceError, GemmaAneError, InputE
 from gemma_ane.files import FileFormatError
 from gemma_ane.mil.executor import ExecutionError
 from gemma_ane.mil.package import PackageError
-from gemma_ane.runtime.backend import BackendError
-from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep, check_nesting
+from gemma_ane.runtime.chat import ChatError, InvalidText, StopError, TooDeep
+from gemma_ane.runtime.device import BackendError
 from gemma_ane.runtime.engine import Cancelled, ContextOverflow, Engine, FunctionUnavailable, NonFiniteOutput
 from gemma_ane.runtime.grammar import GrammarError
 from gemma_ane.runtime.images import ImageError
@@ -350,14 +350,6 @@ def test_the_runtime_refuses_bad_arguments_as_input_errors(tiny_bundle16, tmp_pa
     assert not (tmp_path / "x.npz").exists()
 
 
-class PreparingModel(FakeModel):
-    """A FakeModel whose `prepare` makes the runtime's message checks, as Model.prepare does before a request queues."""
-
-    def prepare(self, messages=None, **kw):
-        check_nesting(messages)
-        raise AssertionError("the test's messages nest too deeply")
-
-
 def test_a_runtime_error_found_before_the_queue_keeps_its_param():
     """The same TooDeep, found by prepare or by the generation, gives the same response (one mapping)."""
     from starlette.testclient import TestClient
@@ -366,7 +358,7 @@ def test_a_runtime_error_found_before_the_queue_keeps_its_param():
     for _ in range(MAX_DEPTH + 1):
         nested = [nested]
     deep = {"role": "user", "content": [{"type": "text", "text": "hi", "x": nested}]}
-    with TestClient(build_app(PreparingModel([]), model_name="fake")) as http:
+    with TestClient(build_app(FakeModel([]), model_name="fake")) as http:
         r = http.post(CHAT, json={"messages": [deep]})
     assert_openai_error(r, 400, "messages[0].content", None)
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import sys
 
@@ -125,9 +126,14 @@ def test_bad_input_is_one_line_exit_2(tiny_e2b, tiny_gqa, tiny_bundle16, tmp_pat
     empty.write_text(" \n\t\n")
     short.write_text("the river")
     good.write_text(text(60))
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
     cases = [
         ((tiny_e2b, empty), "--text .*empty.txt: empty text"),
         ((tiny_e2b, tmp_path / "missing.txt"), "--text .*missing.txt: cannot read"),
+        # issue 43: a FIFO hung, /dev/zero was read until memory ran out
+        ((tiny_e2b, fifo), r"--text .*fifo.txt: cannot read: not a regular file \(a FIFO\)"),
+        ((tiny_e2b, "/dev/zero"), r"--text /dev/zero: cannot read: not a regular file \(a character device\)"),
         ((tiny_e2b, short), r"--text .*short.txt: \d+ tokens, shorter than one window \(--context 128"),
         ((tiny_gqa, good), "model_config.json: hidden_size=64 but .*config.json has 48: the bundle is not of this"),
     ]

@@ -73,11 +73,13 @@ def test_bundle_tracks_transformers_across_the_ring(narrow):
 def test_kv_only_prefill_past_the_window(narrow):
     """A 1040-token prompt through KV-only prefill (no logits, the ring overwritten by whole
     batches), then decode to 1100: the first logits it gives and every one after match transformers."""
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
     src, bundle = narrow
     ckpt = Checkpoint(src)
-    engine = open_engine(bundle, precision="fp16")
+    engine = open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp16"))
     ids = random_ids(ckpt.spec, 1100, seed=0)
     ours = engine.feed(ids[:1040], logits="last")
     assert [f for _, f, _ in engine.history].count("prefill_kv_b64") == 16  # positions 0-1023 without a head

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from gemma_ane.oracle.tokenizer_files import write_tokenizer_files
 from gemma_ane.runtime import grammar
-from gemma_ane.runtime.grammar import Constraint, GrammarError, response_grammar, tool_call_grammar
+from gemma_ane.runtime.grammar import Constraint, GrammarError, request_grammar, response_grammar, tool_call_grammar
 from gemma_ane.runtime.sampling import Sampler, SamplingParams
 from gemma_ane.runtime.tokens import STOP_IDS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
 from gemma_ane.runtime.tools import parse_call
@@ -488,6 +488,13 @@ def test_constrained_output_is_valid_json(model, bias, sampling, kind):
     assert out[-1] in model.stop_ids and c.done, model.tokenizer.decode(out)
     doc = json.loads(model.tokenizer.decode(out[:-1]))
     assert valid(doc, SCHEMA if kind == "json_schema" else {"type": "object"}), doc
+
+
+def test_a_named_choice_grammar_allows_one_call():
+    tools = [PET, ALARM]
+    assert request_grammar(tools, "set_alarm", True, None) == tool_call_grammar(tools, "set_alarm", parallel=False)
+    assert request_grammar(tools, "required", True, None) == tool_call_grammar(tools, "required", parallel=True)
+    assert request_grammar(tools, "required", False, None) == tool_call_grammar(tools, "required", parallel=False)
 
 
 @pytest.mark.parametrize("sampling", SAMPLING[:2])

@@ -5,11 +5,12 @@ import pytest
 from margins import assert_greedy_prefix, assert_same_greedy, recorded_rows, repetition_penalised
 
 import gemma_ane
-from gemma_ane.bundle import inspect_bundle
+from gemma_ane.bundle import inspect_bundle, open_bundle
 from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.oracle.verify import oracle_model, random_ids, run_engine
 from gemma_ane.runtime.backend import open_engine
+from gemma_ane.runtime.device import Device
 
 pytestmark = pytest.mark.slow  # every test here converts a bundle or runs a pipeline
 
@@ -46,7 +47,10 @@ def schedule(engine):
 @pytest.mark.parametrize("start,end", [(0, 70), (3, 61), (13, 100)])
 def test_states_and_logits_equal_token_by_token(bundle, tiny_e2b, start, end):
     ids = random_ids(Checkpoint(tiny_e2b).spec, 100, seed=start)
-    kv, ref = open_engine(bundle, "mil", "fp32"), open_engine(bundle, "mil", "fp32")
+    kv, ref = (
+        open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp32")),
+        open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp32")),
+    )
     ref.kv_batches, ref.prefill_batch = (), None  # the reference: one infer step per token
     calls = schedule(kv)
     for e in (kv, ref):
@@ -113,7 +117,9 @@ def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
     ref, ref_rows = out.sequences[0, len(ids) :].tolist(), np.stack([s[0].numpy() for s in out.scores])
     # the error bound, measured: our executor's rows (the precision generate ran at, generation's prompt path)
     # along the reference's own sequence, penalised alike, against the scores transformers chose from
-    ours_rows = run_engine(open_engine(bundle, "mil", "fp32"), np.asarray(ids + ref), len(ids), "last")
+    ours_rows = run_engine(
+        open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp32")), np.asarray(ids + ref), len(ids), "last"
+    )
     err = float(np.abs(repetition_penalised(ours_rows[: len(ref)], ids, ref, 2.0) - ref_rows).max())
     assert len(ids) + len(ours.tokens) > 2 * model_spec.sliding_window
     # measured: err 0.09 (the same on both CPUs above); the reference's margins 1.05, 0.40, 0.76, ... clear until
@@ -123,7 +129,10 @@ def test_greedy_equals_transformers_beyond_the_window(bundle, tiny_e2b):
 
 def test_published_path_agrees_where_it_is_exact(bundle, tiny_e2b):
     ids = random_ids(Checkpoint(tiny_e2b).spec, 16, seed=2)  # inside the first ring pass
-    kv, published = open_engine(bundle, "mil", "fp32"), open_engine(bundle, "mil", "fp32")
+    kv, published = (
+        open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp32")),
+        open_engine(open_bundle(bundle, check=False), Device.of("mil", "fp32")),
+    )
     published.kv_batches = ()
     calls = schedule(published)
     a, b = kv.feed(ids)[-1], published.feed(ids)[-1]

@@ -72,17 +72,21 @@ def test_media_sources_read_audio_parts():
     `input_audio` (base64 with a format), decoded to bytes here; a malformed one is refused naming its part."""
     content = [
         {"type": "audio", "audio": "a.wav"},
-        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRgAAAABXQVZF", "format": "wav"}},  # a WAV's first bytes
     ]
     assert media_sources([{"role": "user", "content": content}]) == [
         ("audio", "messages[0].content[0]", "a.wav"),
-        ("audio", "messages[0].content[1]", b"RIFF"),
+        ("audio", "messages[0].content[1]", b"RIFF\0\0\0\0WAVE"),
     ]
     bad = {
         "needs 'audio'": {"type": "audio"},
         r"content\[0\].input_audio.format: 'aiff' is not one of": {
             "type": "input_audio",
             "input_audio": {"data": "UklGRg==", "format": "aiff"},
+        },
+        r"content\[0\].input_audio.format: 'wav', but the data is FLAC": {
+            "type": "input_audio",
+            "input_audio": {"data": "ZkxhQw==", "format": "wav"},
         },
         r"content\[0\].input_audio.data: not valid base64": {
             "type": "input_audio",

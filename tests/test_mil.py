@@ -989,10 +989,12 @@ def test_bundle_default_function_is_infer(bundle16):
 def test_bits16_bundle_matches_the_torch_graph_at_every_position(bundle16, ckpt):
     import torch
 
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.oracle.verify import compare, random_ids, run_engine
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
-    engine = open_engine(bundle16, "mil", "fp16")
+    engine = open_engine(open_bundle(bundle16, check=False), Device.of("mil", "fp16"))
     assert (engine.context, engine.window, engine.prefill_batch) == (CONTEXT, 16, 8)
     ids = random_ids(ckpt.spec, 96, seed=0)  # 96 positions: six passes of the 16-slot ring
     ours = run_engine(engine, ids, prompt_len=13)
@@ -1035,12 +1037,14 @@ def test_gqa_bundle_matches_the_graph_and_transformers(gqa16, tiny_gqa):
     # matmul), K=V full layers, a window of 8 that equals the prefill batch.
     import torch
 
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.convert.checkpoint import Checkpoint
     from gemma_ane.oracle.verify import compare, random_ids, run_engine, verify_bundle
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
     ckpt = Checkpoint(tiny_gqa)
-    engine = open_engine(gqa16, "mil", "fp16")
+    engine = open_engine(open_bundle(gqa16, check=False), Device.of("mil", "fp16"))
     assert (engine.window, engine.prefill_batch) == (8, 8)
     ids = random_ids(ckpt.spec, 96, seed=0)
     graph = compare(run_engine(engine, ids, 13), run_engine(graph_engine(ckpt, engine.host, torch.float16), ids, 13))
@@ -1075,10 +1079,12 @@ def _dequantised_linear_weights(package: Path, function: str = "infer") -> dict:
 def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle4, ckpt):
     import torch
 
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.bundle.plan import ChunkPlan
     from gemma_ane.convert.models.text import build_chunks
     from gemma_ane.oracle.verify import compare, random_ids, run_engine
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
     plan = ChunkPlan.build(ckpt.spec, CONTEXT, 8)
     replacements, palettized = [], 0
@@ -1099,7 +1105,7 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     assert palettized > 50
 
     ids = random_ids(ckpt.spec, 48, seed=0)
-    engines = {p: open_engine(bundle4, "mil", p) for p in ("fp32", "fp16")}
+    engines = {p: open_engine(open_bundle(bundle4, check=False), Device.of("mil", p)) for p in ("fp32", "fp16")}
     ours = {p: run_engine(e, ids, prompt_len=13) for p, e in engines.items()}
     host = engines["fp16"].host
     same = run_engine(graph_engine(ckpt, host, torch.float32, replacements), ids, 13)
@@ -1128,10 +1134,15 @@ def test_bits4_bundle_matches_the_graph_with_the_same_dequantised_weights(bundle
     "precision,min_cosine,cache_atol,logit_err", [("fp32", 0.999999, 1e-3, 2e-2), ("fp16", 0.999, 3e-2, 0.25)]
 )
 def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precision, min_cosine, cache_atol, logit_err):
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.oracle.verify import compare, random_ids, run_engine
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
-    batched, single = open_engine(bundle16, "mil", precision), open_engine(bundle16, "mil", precision)
+    batched, single = (
+        open_engine(open_bundle(bundle16, check=False), Device.of("mil", precision)),
+        open_engine(open_bundle(bundle16, check=False), Device.of("mil", precision)),
+    )
     single.prefill_batch = None
     calls = {"batched": [], "single": []}
     for key, engine in (("batched", batched), ("single", single)):
@@ -1170,10 +1181,12 @@ def test_prefill_then_decode_equals_token_by_token_infer(bundle16, ckpt, precisi
 def test_bundle_outputs_stay_valid_after_later_calls(bundle16, ckpt):
     # chunk_2 returns whole caches (kv{p}_k / kv{p}_v). A runtime may keep them (e.g. to run
     # chunk_3 for an earlier row later); outputs that are views of the state would change under it.
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.oracle.verify import random_ids
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
-    engine = open_engine(bundle16, "mil", "fp16")
+    engine = open_engine(open_bundle(bundle16, check=False), Device.of("mil", "fp16"))
     chunk2 = engine.chunks[1]
     kept = []
     real = chunk2.predict

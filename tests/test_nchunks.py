@@ -264,9 +264,11 @@ def e4b_bundles(tiny_e4b, tmp_path_factory, request):
 
 def _greedy(bundle, prompt, steps):
     """Greedy decoding straight on the engine: the tokens and the logit rows each was chosen from."""
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
-    engine = open_engine(bundle, "mil")
+    engine = open_engine(open_bundle(bundle, check=False), Device.of("mil"))
     _, logits = engine.prompt(prompt)
     tokens, rows = [], []
     for _ in range(steps):

@@ -19,9 +19,9 @@ from test_server_tools import HI, PICK
 
 import gemma_ane
 from gemma_ane.runtime.grammar import response_grammar
+from gemma_ane.runtime.request import choice_seed
 from gemma_ane.runtime.sampling import Sampler, SamplingParams
 from gemma_ane.server.app import build_app, main
-from gemma_ane.server.request import choice_seed
 
 NAME = "tiny"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -114,8 +114,8 @@ def test_an_earlier_call_with_empty_arguments_reads_as_no_arguments(model, scrip
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    seen, prompt_ids = [], model.prompt_ids
-    monkeypatch.setattr(model, "prompt_ids", lambda *a, **kw: seen.append(prompt_ids(*a, **kw)) or seen[-1])
+    seen, prompt_ids = [], model._prompt_ids  # what prepare renders with
+    monkeypatch.setattr(model, "_prompt_ids", lambda *a: seen.append(prompt_ids(*a)) or seen[-1])
     script(model, monkeypatch, "Sunny.<turn|>")
     r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=10)
     assert r.choices[0].message.content == "Sunny."
@@ -152,6 +152,26 @@ def test_the_turns_end_has_no_logprob(model, scripted, monkeypatch):
     chunks = list(client.chat.completions.create(stream=True, **kw))
     streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert "".join(streamed) == "Sunny today."
+
+
+def test_chat_logprobs_are_of_the_content_alone(model, scripted, monkeypatch):
+    """Not the thought, not a call's markup, not a control token that decodes to nothing (issue 44)."""
+    _, client = scripted
+    text = "<|channel>thought\nHmm.<channel|>Let me<unused86> check." + PARIS + "<|tool_response>"
+    for stream in (False, True):
+        script(model, monkeypatch, text)
+        kw = dict(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=100, logprobs=True, stream=stream)
+        r = client.chat.completions.create(**kw, extra_body={"enable_thinking": True})
+        if stream:
+            chunks = [c.choices[0] for c in r if c.choices]
+            content = "".join(c.delta.content or "" for c in chunks)
+            tokens = [e.token for c in chunks if c.logprobs for e in c.logprobs.content]
+            assert all(c.delta.content or not c.logprobs for c in chunks)  # no logprobs without content
+        else:
+            content = r.choices[0].message.content
+            tokens = [e.token for e in r.choices[0].logprobs.content]
+            assert r.choices[0].message.reasoning_content == "Hmm." and r.choices[0].message.tool_calls
+        assert content == "Let me check." and "".join(tokens) == content, tokens
 
 
 def test_every_streamed_content_chunk_carries_its_tokens_logprobs(model, scripted, monkeypatch):
@@ -197,8 +217,10 @@ def test_completion_top_logprobs_always_hold_the_chosen_token(real):
     assert all(t in top and top[t] == x for t, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert any(len(top) == 2 for top in lp.top_logprobs), "pick a seed that draws a token off the top"
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    # logprobs 0: the sampled token's alone (OpenAI: always returned; vLLM returns it alone)
     r = client.completions.create(model=NAME, prompt=RAW, max_tokens=3, logprobs=0, temperature=0)
-    assert r.choices[0].logprobs.top_logprobs == [{}, {}, {}]
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)] and len(lp.tokens) == 3
 
 
 # -- 7. n and echo ----------------------------------------------------------------------------------------------
@@ -233,14 +255,16 @@ def test_echo_reports_the_prompts_logprobs(real, tiny):
     lp = c.logprobs
     assert lp.tokens == [tiny.tokenizer.decode([t], skip_special_tokens=False) for t in ids[1:]]
     assert "".join(lp.tokens) == RAW and lp.text_offset[0] == 0
-    # each token scored from the tokens before it, as the library's logits after that prefix give it (within
+    # the first token's logprob is null, as OpenAI's and vLLM's: nothing the client sent comes before it
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # each later token scored from the tokens before it, as the library's logits after that prefix give it (within
     # fp16's batched-versus-single-step differences: the prefixes are processed in other batches)
     scorer = Sampler(SamplingParams(logprobs=2))
-    for k in (1, 5, len(ids) - 1):
+    for k in (2, 5, len(ids) - 1):
         tiny.reset()
         _, logits = tiny.engine.prompt(ids[:k])
         assert lp.token_logprobs[k - 1] == pytest.approx(scorer.logprobs(logits, ids[k])[0], abs=0.5)
-    assert all(t in top and len(top) in (2, 3) for t, top in zip(lp.tokens, lp.top_logprobs))
+    assert all(t in top and len(top) in (2, 3) for t, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     # with generated tokens: the prompt's entries, then the answer's
     both = client.completions.create(model=NAME, prompt=RAW, max_tokens=3, echo=True, logprobs=1, temperature=0)
     plain = client.completions.create(model=NAME, prompt=RAW, max_tokens=3, logprobs=1, temperature=0)
@@ -252,6 +276,36 @@ def test_echo_reports_the_prompts_logprobs(real, tiny):
     first = json.loads(r.text.split("\n\n")[0][6:])["choices"][0]
     assert first["text"] == RAW and first["logprobs"]["tokens"] == lp.tokens
     assert http.post(COMPLETIONS, json={"prompt": RAW, "max_tokens": 0}).status_code == 400  # echo alone takes 0
+
+
+def test_completions_take_token_ids_and_batches(real, tiny):
+    """OpenAI's `prompt` takes token ids and batches; lm-evaluation-harness's local-completions sends ids."""
+    http, client = real
+    ids = tiny.prompt_ids(RAW, raw=True)  # <bos> and the text's ids: as given, nothing is added to ids
+    kw = dict(model=NAME, max_tokens=4, temperature=0)
+    text = client.completions.create(prompt=RAW, **kw).choices[0].text
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == text
+    r = client.completions.create(prompt=ids, max_tokens=0, echo=True, logprobs=1, model=NAME)
+    lp = r.choices[0].logprobs  # echoed whole, <bos> first with a null logprob
+    assert r.choices[0].text == tiny.tokenizer.decode(ids, skip_special_tokens=False) and lp.token_logprobs[0] is None
+    assert len(lp.tokens) == len(ids) and all(x is not None for x in lp.token_logprobs[1:])
+    other = "The quick brown fox"
+    other_text = client.completions.create(prompt=other, **kw).choices[0].text
+    for batch in ([RAW, other], [ids, tiny.prompt_ids(other, raw=True)]):
+        r = client.completions.create(prompt=batch, n=2, **kw)  # prompt k's choices at k*n .. k*n + n-1
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        assert [c.text for c in r.choices] == [text, text, other_text, other_text]
+        assert r.usage.prompt_tokens == len(ids) + len(tiny.prompt_ids(other, raw=True))
+    assert http.post(COMPLETIONS, json={"prompt": [0, 0, 0], "max_tokens": 1}).status_code == 200
+    for body, problem in (
+        ({"prompt": [[1, 2], []]}, "prompt: expected a string, a list of token ids"),
+        ({"prompt": [1, 10**9]}, "prompt: token id 1000000000 is not in the vocabulary"),
+        ({"prompt": ["a", [10**9]]}, "prompt[1]: token id 1000000000"),
+        ({"prompt": ["a", "b"], "echo": True}, "echo: one prompt a request (a batch of 2 was given)"),
+        ({"prompt": [1, True]}, "prompt: expected a string"),
+    ):
+        r = http.post(COMPLETIONS, json={"max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(problem), r.text
 
 
 # -- 8. Content-Type and CORS -------------------------------------------------------------------------------------
@@ -307,6 +361,23 @@ def test_a_bad_allow_origin_is_one_line(capsys, tmp_path):
 )
 def test_json_mode_numbers_are_bounded(tok, number, ok):  # noqa: F811 (tok: the imported fixture)
     assert accepts(response_grammar({"type": "json_object"}), tok, f'{{"a": {number}}}') is ok
+
+
+@pytest.mark.parametrize(
+    ("schema", "number", "ok"),
+    [({"type": "integer"}, "1234567890123456", True), ({"type": "integer"}, "12345678901234567", False)]
+    + [({"type": "number"}, "-1234567890123456.5", True), ({"type": "number"}, "12345678901234567", False)]
+    + [({"type": "number"}, "0.1234567890", True), ({"type": "number"}, "0.12345678901", False)]
+    + [({"type": ["number", "null"]}, "12345678901234567", False), ({"type": "integer", "maximum": 10**20}, "-1", True)]
+    + [({"type": "integer", "minimum": 0, "maximum": 10**20}, "12345678901234567", True)],
+)
+def test_json_schema_numbers_are_bounded(tok, schema, number, ok):  # noqa: F811 (tok: the imported fixture)
+    """As JSON mode's (at most 16 digits) where the schema states no bound of its own; decimals at most 10."""
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"a": schema}}},
+    }
+    assert accepts(response_grammar(fmt), tok, f'{{"a": {number}}}') is ok
 
 
 @pytest.mark.parametrize(

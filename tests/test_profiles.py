@@ -156,7 +156,9 @@ def test_a_prompt_function_one_chunk_lacks_degrades_with_one_warning(tiny_bundle
     """chunk_2 without prefill_kv_b8 (as a bundle converted elsewhere may be): the prompt runs through the next path
     (prefill_b8, then infer), as through a bundle without prefill_kv_b8 at all, instead of failing in chunk_2
     mid-prompt."""
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.runtime import backend
+    from gemma_ane.runtime.device import Device
 
     real = backend.open_chunks
 
@@ -174,11 +176,11 @@ def test_a_prompt_function_one_chunk_lacks_degrades_with_one_warning(tiny_bundle
     monkeypatch.setattr(backend, "open_chunks", without("prefill_kv_b8", {"chunk_1", "chunk_2"}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, expected = backend.open_engine(tiny_bundle16, "mil").prompt(ids)
+        _, expected = backend.open_engine(open_bundle(tiny_bundle16, check=False), Device.of("mil")).prompt(ids)
     monkeypatch.setattr(backend, "open_chunks", without("prefill_kv_b8", {"chunk_2"}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = backend.open_engine(tiny_bundle16, "mil")
+        engine = backend.open_engine(open_bundle(tiny_bundle16, check=False), Device.of("mil"))
         _, logits = engine.prompt(ids)
     # a ResourceWarning is another test's object (an unclosed socket) finalised by a collection that ran here
     lines = [str(w.message) for w in caught if not issubclass(w.category, ResourceWarning)]
@@ -219,10 +221,12 @@ def test_a_phone_bundle_generates_the_full_bundles_greedy_tokens(phone_bundle, t
     KV-only batches) within the fp16 bounds (tests/margins.py), and one warning that prompts are slow."""
     from margins import assert_greedy_prefix
 
+    from gemma_ane.bundle import open_bundle
     from gemma_ane.runtime.backend import open_engine
+    from gemma_ane.runtime.device import Device
 
     def greedy(bundle):
-        engine = open_engine(bundle, "mil")
+        engine = open_engine(open_bundle(bundle, check=False), Device.of("mil"))
         _, logits = engine.prompt([2, *range(40, 70)])
         tokens, rows = [], []
         for _ in range(40):

@@ -11,7 +11,7 @@ from scripted import ASK, PARIS, WEATHER, script, scripted_model
 
 from gemma_ane.runtime.chat import ChatTemplate
 from gemma_ane.runtime.engine import MAX_SNAPSHOTS
-from gemma_ane.runtime.model import Request
+from gemma_ane.runtime.request import Prepared
 from gemma_ane.server.app import build_app
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -71,7 +71,7 @@ def test_turn_ends_are_where_each_turn_alone_ends(model):
 def test_a_prepared_request_runs_once_checked(model, monkeypatch):
     request = model.prepare(messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=9, temperature=0)
     assert (
-        isinstance(request, Request)
+        isinstance(request, Prepared)
         and request.rule.bans == [48]
         and request.ids == model.prompt_ids(messages=ASK, tools=[WEATHER])
     )

@@ -667,14 +667,14 @@ def test_system_argument_and_raw_prompt(model, hf_tok):
 
 
 def test_bundle_without_a_template_uses_the_builtin_formatter(bundle, tmp_path):
-    from gemma_ane.runtime.model import _template
+    from gemma_ane.runtime.hf_files import read_template
 
     hf = tmp_path / "hf_model"
     hf.mkdir()
     cfg = json.loads((bundle / "hf_model" / "tokenizer_config.json").read_text())
     cfg.pop("chat_template")
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
-    template = _template(hf)
+    template = read_template(hf)
     assert template.source is None
     # the built-in formatter against the real Gemma 4 template is tests/test_chat.py's job; here:
     # a bundle without a template still renders Gemma 4 turns
@@ -839,12 +839,13 @@ def test_unknown_backend_is_an_error(bundle):
     assert "bogus" in one_line(e.value)
 
 
-def test_auto_backend_says_which_it_picked(capsys):
-    from gemma_ane.runtime.backend import pick_backend
+def test_auto_backend_says_which_it_picked(caplog):
+    from gemma_ane.runtime.device import pick_backend
 
-    picked = pick_backend("auto")
+    with caplog.at_level("INFO", logger="gemma_ane"):
+        picked = pick_backend("auto")
     assert picked == ("coreml" if platform.system() == "Darwin" else "mil")
-    assert picked in capsys.readouterr().err
+    assert picked in caplog.text  # logged, not printed: a library keeps quiet
 
 
 # -- CLI -----------------------------------------------------------------------------------------

@@ -57,6 +57,25 @@ def test_parallel_calls_and_one_call_only(model, monkeypatch):
     assert one.finish_reason == "tool_calls" and one.tokens[-1] == TOOL_CALL_CLOSE
 
 
+def test_a_named_choice_is_one_call_whatever_parallel_tool_calls_says(flat, monkeypatch):
+    """OpenAI: a named choice forces the model to call that function; vLLM returns exactly one call. "required" and
+    "auto" follow parallel_tool_calls (the grammar's side: test_grammar). The script writes two calls; the grammar
+    (a tokenizer file: `flat`) is compiled as a forced choice asks."""
+    for choice, parallel, names in (
+        ("get_weather", True, ["get_weather"]),
+        ({"type": "function", "function": {"name": "get_weather"}}, True, ["get_weather"]),
+        ("required", True, ["get_weather", "get_weather"]),
+        ("required", False, ["get_weather"]),
+        ("auto", False, ["get_weather"]),
+    ):
+        script(flat, monkeypatch, PARIS + PARIS + "<|tool_response>")
+        r = flat.generate(
+            messages=ASK, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=parallel, max_tokens=120
+        )
+        assert [c.name for c in r.tool_calls] == names, choice
+        assert r.finish_reason == "tool_calls"
+
+
 def test_an_answer_without_calls_finishes_with_stop(model, monkeypatch):
     script(model, monkeypatch, "Sunny.<turn|>")
     r = model.generate(messages=ASK, tools=[WEATHER], max_tokens=100)
@@ -291,3 +310,13 @@ def test_a_later_token_llguidance_masks_in_but_refuses_is_never_drawn(tmp_path, 
         "response_format",
         "response_format: no token of this tokenizer can continue it after 1 token",
     )
+
+
+def test_a_raw_prompt_of_token_ids_is_taken_as_given(model):
+    """OpenAI's completions take token ids: the Python API's raw prompt too, with no <bos> added."""
+    assert model.prompt_ids([5, 6, 7], raw=True) == [5, 6, 7]
+    for bad, found in (([], "an empty list"), ([5, VOCAB], str(VOCAB)), ([5, True], "True"), ([-1], "-1")):
+        with pytest.raises(
+            ValueError, match=f"prompt: token ids must be integers from 0 to {VOCAB - 1}, found {found}"
+        ):
+            model.prompt_ids(bad, raw=True)

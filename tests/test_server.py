@@ -15,13 +15,16 @@ rewind, and compares greedy tokens and logprobs within that tolerance.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
@@ -29,10 +32,12 @@ import pytest
 from margins import assert_greedy_prefix
 from openai import APIError as OpenAIAPIError
 from openai import OpenAI
+from scripted import TEMPLATE, ScriptedEngine
 
 import gemma_ane
+from gemma_ane.oracle.tokenizer_files import build_tokenizer, write_tokenizer_files
 from gemma_ane.runtime.chat import ChatTemplate
-from gemma_ane.runtime.model import Event
+from gemma_ane.runtime.model import Event, Model
 from gemma_ane.server.app import Vocab, build_app
 
 CONTEXT = 128
@@ -251,11 +256,13 @@ def test_chat_logprobs(server, client):
         model=NAME, messages=m, max_tokens=24, seed=1, logprobs=True, top_logprobs=2, extra_body=HOT_EXTRA, **HOT
     )
     want = server.reference.generate(messages=m, max_tokens=24, seed=1, logprobs=2, **HOT, **HOT_EXTRA)
-    content = r.choices[0].logprobs.content
-    assert [e.logprob for e in content] == want.logprobs
-    assert [e.token for e in content] == [
-        server.reference.tokenizer.decode([t], skip_special_tokens=False) for t in want.tokens
-    ]
+    content, tokenizer = r.choices[0].logprobs.content, server.reference.tokenizer
+    # the content's tokens alone: a control token that decodes to nothing is no content (issue 44)
+    kept = [i for i, t in enumerate(want.tokens) if tokenizer.decode([t], skip_special_tokens=True)]
+    assert len(kept) < len(want.tokens), "pick a seed whose output has a control token"
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None  # every kept token is the content's
+    assert [e.logprob for e in content] == [want.logprobs[i] for i in kept]
+    assert [e.token for e in content] == [tokenizer.decode([want.tokens[i]], skip_special_tokens=False) for i in kept]
     partial = [e for e in content if "\ufffd" in e.token]
     assert partial, "pick a seed whose output has a byte token"
     assert all(len(e.bytes) == 1 and e.bytes[0] >= 0x80 for e in partial)
@@ -272,7 +279,7 @@ def test_chat_logprobs(server, client):
         **HOT,
     )
     streamed = [e.logprob for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
-    assert streamed == want.logprobs
+    assert streamed == [want.logprobs[i] for i in kept]
 
 
 def test_completion_logprobs(server, client):
@@ -613,7 +620,11 @@ def test_full_queue_answers_429_and_recovers(server):
                     [t for t in tasks if not t.done()], timeout=1, return_when=asyncio.FIRST_COMPLETED
                 )
                 rejected = [t.result() for t in tasks if t.done()]
+            # a full queue refuses before any prompt is rendered: the admitted ones may still be preparing
             health = (await c.get("/health")).json()
+            while not health["generating"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                health = (await c.get("/health")).json()
             for t in tasks:  # hang up on the admitted ones: the server must cancel them all
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -659,30 +670,56 @@ class FakeTokenizer:
         return f"<{i}>"
 
 
-class FakeModel:
-    """Yields a fixed script of runtime Events (an exception in the script is raised there)."""
+class FakeModel(Model):
+    """The runtime's own Model over scripted.py's engine without a network (the test tokenizer, Gemma 4's template,
+    a bundle directory holding only the tokenizer, which a grammar reads), whose every prompt is 5 tokens (8 with
+    thinking, one placeholder an image) and whose generation is a fixed script of runtime Events (an exception in
+    the script is raised there). Every request goes through the real Model.prepare; `calls` records what each
+    generation ran with: the GenerationRequest's fields, with the sampling, tools and tool choice as prepare checked
+    them."""
 
     context = 64
-    generation: dict = {}
-    config = {"vocab_size": 512}
+    head = "logits"
 
     def __init__(self, script, delay: float = 0.0):
+        super().__init__(
+            fake_root(),
+            ScriptedEngine(512),
+            build_tokenizer(512),
+            ChatTemplate(TEMPLATE),
+            {},
+            {"vocab_size": 512},
+            "none",
+        )
         self.script, self.delay, self.calls = script, delay, []
-        self.tokenizer = FakeTokenizer()
 
-    def prompt_ids(self, prompt=None, messages=None, raw=False, enable_thinking=False, system=None):
+    def _prompt_ids(self, prompt, messages, raw, enable_thinking, system, tools):
+        super()._prompt_ids(prompt, messages, raw, enable_thinking, system, tools)  # its checks, its rendering
         return [2] * (5 + 3 * enable_thinking)
 
-    def use_drafts(self, draft_tokens):
-        self.draft_tokens = draft_tokens
-
-    def stream_generate(self, prompt=None, messages=None, **kw):
-        self.calls.append({"prompt": prompt, "messages": messages, **kw})
+    def _run(self, prepared, cancelled):
+        asked = prepared.request
+        self.calls.append(
+            {
+                **{f.name: getattr(asked, f.name) for f in fields(asked) if f.name != "sampling"},
+                **{f.name: getattr(prepared.params, f.name) for f in fields(prepared.params)},
+                "tools": prepared.tools,
+                "tool_choice": prepared.rule.choice,
+            }
+        )
         for ev in self.script:
             time.sleep(self.delay)
             if isinstance(ev, Exception):
                 raise ev
             yield ev
+
+
+@functools.cache
+def fake_root() -> Path:
+    """A bundle directory holding the 512-token test tokenizer's files, for every FakeModel of the session."""
+    root = Path(tempfile.mkdtemp(prefix="fake-bundle-"))
+    write_tokenizer_files(root / "hf_model", 512)
+    return root
 
 
 THOUGHT = [
@@ -784,7 +821,7 @@ def test_a_failing_generation_is_an_error_not_a_traceback(fake_client):
 
 def test_an_unexpected_exception_is_a_500_in_openai_shape(fake_client):
     class Broken(FakeModel):
-        def prompt_ids(self, *a, **kw):
+        def _prompt_ids(self, *a, **kw):
             raise RuntimeError("secret internals")
 
     http, _ = fake_client(Broken(THOUGHT), raise_server_exceptions=False)
@@ -941,8 +978,11 @@ def test_serve_passes_its_startup_options_to_the_model(monkeypatch, tmp_path, fl
     import gemma_ane.runtime.model
     from gemma_ane.server import app as server
 
+    class Drafting(FakeModel):
+        max_draft_tokens = 3  # as a bundle with a drafter says: --draft 2 is within it
+
     served = []
-    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: FakeModel([]))
+    monkeypatch.setattr(gemma_ane.runtime.model, "load", lambda bundle, **kw: Drafting([]))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     assert server.main([str(tmp_path), "--port", "0", *flags]) == 0
     [app] = served

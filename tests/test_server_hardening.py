@@ -131,8 +131,8 @@ def test_the_runtime_asks_before_processing_the_prompt():
 class SlowPrefill(FakeModel):
     """A prompt that takes as long as its client stays (checking as the runtime's prefill does), else 30 s."""
 
-    def stream_generate(self, prompt=None, messages=None, cancelled=None, **kw):
-        self.calls.append({"prompt": prompt, "messages": messages, **kw})
+    def _run(self, prepared, cancelled):
+        self.calls.append(prepared)
         if len(self.calls) == 1:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -146,8 +146,9 @@ def test_a_client_gone_during_its_prompt_frees_the_worker():
     import asyncio
 
     loop = asyncio.new_event_loop()
-    worker = Worker(SlowPrefill(THOUGHT), max_queue=4)
-    first, second = Job("first", {}, loop), Job("second", {}, loop)
+    model = SlowPrefill(THOUGHT)
+    worker = Worker(model, max_queue=4)
+    first, second = Job("first", [model.prepare("Hi")], loop), Job("second", [model.prepare("Hi")], loop)
     try:
         assert worker.submit(first) and worker.submit(second)
         time.sleep(0.2)

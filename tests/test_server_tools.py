@@ -59,8 +59,8 @@ def real(tiny_bundle16):
 
 def prompts(model, monkeypatch) -> list[list[int]]:
     """The prompt ids of every generation from now on."""
-    seen, prompt_ids = [], model.prompt_ids
-    monkeypatch.setattr(model, "prompt_ids", lambda *a, **kw: seen.append(prompt_ids(*a, **kw)) or seen[-1])
+    seen, prompt_ids = [], model._prompt_ids  # what prepare renders with
+    monkeypatch.setattr(model, "_prompt_ids", lambda *a: seen.append(prompt_ids(*a)) or seen[-1])
     return seen
 
 
@@ -114,10 +114,9 @@ def test_calls_stream_in_openai_chunk_form(model, client, monkeypatch):
         assert (head.type, head.function.name, head.function.arguments) == ("function", name, "")
         assert CALL_ID.fullmatch(head.id) and all(t.id is None and t.function.name is None for t in rest)
         assert len(rest) > 1 and json.loads("".join(t.function.arguments for t in rest)) == arguments
-    # every token's logprob is reported once, on the first delta it released; the turn's end has no text, no logprob
-    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) == len(
-        model.tokenizer.encode(text, add_special_tokens=False).ids[:-1]
-    )
+    # the content's tokens' logprobs, each once, on the delta it released; the calls' markup is no content (issue 44)
+    reported = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(reported) == "Checking." and len(reported) == len(model.encode("Checking."))
 
     script(model, monkeypatch, text)  # the client's own accumulator concatenates the fragments
     with client.chat.completions.stream(model=NAME, messages=ASK, tools=[WEATHER, TIME], max_tokens=100) as s:
@@ -175,8 +174,8 @@ def test_a_call_whose_arguments_are_no_json_is_a_400(model, client):
 class ToolModel(FakeModel):
     """test_server's scripted model, whose prompt grows by a token per tool."""
 
-    def prompt_ids(self, *args, tools=None, **kw):
-        return super().prompt_ids(*args, **kw) + [3] * len(tools or [])
+    def _prompt_ids(self, prompt, messages, raw, enable_thinking, system, tools):
+        return super()._prompt_ids(prompt, messages, raw, enable_thinking, system, tools) + [3] * len(tools or [])
 
 
 SCHEMA, CALL0 = "response_format.json_schema.schema", "messages[1].tool_calls[0]"
@@ -298,7 +297,8 @@ def test_constraints_need_logits_and_llguidance(monkeypatch):
         with pytest.raises(BadRequestError, match="needs llguidance") as e:
             client.chat.completions.create(model="fake", messages=ASK, response_format={"type": "json_object"})
         assert e.value.param == "response_format"
-        client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER])  # no grammar: no llguidance
+        # no grammar: no llguidance (and greedy: the argmax head cannot sample)
+        client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER], temperature=0)
     assert len(model.calls) == 1
 
 
@@ -336,12 +336,17 @@ def test_json_schema_output_parses_and_follows_the_schema(real):
         assert type(value["age"]) is int and 0 <= value["age"] <= 150
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "pick"}}, "required"])
-def test_a_forced_tool_call(real, choice):
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [({"type": "function", "function": {"name": "pick"}}, {}), ("required", {"parallel_tool_calls": False})],
+)
+def test_a_forced_tool_call(real, choice, parallel):
+    """A named choice is one call with parallel_tool_calls at its default (issue 44: the model called it until the
+    token limit ran out, finish "length"); "required" follows parallel_tool_calls."""
     free = real.chat.completions.create(model=NAME, messages=HI, tools=[PICK], max_tokens=15, temperature=0)
     assert free.choices[0].message.tool_calls is None  # the random model calls nothing by itself
     r = real.chat.completions.create(
-        model=NAME, messages=HI, tools=[PICK], tool_choice=choice, parallel_tool_calls=False, temperature=0
+        model=NAME, messages=HI, tools=[PICK], tool_choice=choice, temperature=0, **parallel
     )
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     ((name, arguments),) = calls_of(r.choices[0].message)

@@ -21,7 +21,8 @@ from gemma_ane.convert.checkpoint import Checkpoint
 from gemma_ane.convert.models.text import TorchChunk, build_chunks
 from gemma_ane.oracle.verify import host_from_checkpoint
 from gemma_ane.runtime.engine import Engine, FunctionUnavailable
-from gemma_ane.runtime.model import Model, _template
+from gemma_ane.runtime.hf_files import read_template
+from gemma_ane.runtime.model import Model
 from gemma_ane.runtime.sampling import BAN, Proposal
 
 pytestmark = pytest.mark.slow  # the graph runs every position in fp32 torch (about a minute)
@@ -62,7 +63,7 @@ def make_model(graph, drafter=None, draft_tokens=0) -> Model:
     engine = Engine.from_chunks(chunks, host_from_checkpoint(ckpt, CONTEXT), window=plan.window)
     tokenizer = Tokenizer.from_file(str(Path(root) / "tokenizer.json"))
     config = {"vocab_size": ckpt.spec.vocab_size, "eos_token_id": 1}
-    model = Model(root, engine, tokenizer, _template(Path(root)), {}, config, "torch", drafter=drafter)
+    model = Model(root, engine, tokenizer, read_template(Path(root)), {}, config, "torch", drafter=drafter)
     model.draft_tokens = draft_tokens
     return model
 

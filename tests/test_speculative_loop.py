@@ -35,12 +35,13 @@ class MarkovEngine:
 
     def __init__(self):
         self.tokens, self.final_hidden, self.shared_kv, self.verifies = [], np.ones(4, np.float32), {"kv": 0}, 0
+        self.crossings = []  # one context: no ladder to climb
 
     @property
     def position(self):
         return len(self.tokens)
 
-    def prompt(self, ids, marks=(), cancelled=None):
+    def prompt(self, ids, marks=(), cancelled=None, exact=False):
         self.tokens = list(ids)
         return 0, row(TARGET, ids[-1])
 

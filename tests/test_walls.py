@@ -120,6 +120,7 @@ def test_executor_stands_on_the_saved_program_alone():
             "gemma_ane.mil.package",
             "gemma_ane.mil.ops",
             "gemma_ane.mil.program",
+            "gemma_ane.mil.executor",  # mil.serve runs packages for another process
             "gemma_ane.files",
             "gemma_ane.errors",
         }  # errors: none of ours

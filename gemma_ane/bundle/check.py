@@ -8,13 +8,15 @@ describes bundles converted elsewhere too; the manifest is only trusted for size
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from ..files import FileFormatError, read_json_object, sha256_file, tree_size
+from ..files import FileFormatError, is_within, read_json_object, sha256_file, tree_size
 from ..mil.package import Package, PackageError, macs, weight_bytes, weight_formats
 from ..mil.program import ProgramError
 from .errors import BundleError
-from .interfaces import one_function_interfaces, read_interfaces
+from .interfaces import METADATA, one_function_interfaces, read_interfaces
+from .ladder import rung_function, rungs_of, split_rung
 from .layout import (
     ASSISTANT_SIDECARS,
     COMPILED,
@@ -29,7 +31,7 @@ from .layout import (
     not_a_checkpoint,
     package_path,
 )
-from .plan import device_cost
+from .plan import WIRED_PER_WEIGHT_BYTE, device_cost
 from .schema import ASSISTANT, VISION, read_bundle_json, read_model_config
 
 
@@ -56,7 +58,9 @@ def check_manifest(root: Path, sha256: bool = True) -> list[str]:
             problems.append(f"{path}: refuses file entry {rel!r} outside the bundle")
             continue
         size = entry.get("size") if isinstance(entry, dict) else None
-        if not p.is_file():
+        if not is_within(p, root):  # a symbolic link out: its bytes are not the bundle's
+            problems.append(f"{p}: lies outside the bundle ({os.path.realpath(p)})")
+        elif not p.is_file():
             problems.append(f"{p}: missing")
         elif p.stat().st_size != size:
             problems.append(f"{p}: size {p.stat().st_size}, manifest says {size}")
@@ -87,7 +91,7 @@ def prompt_paths(chunks: list[dict]) -> dict:
     stateful = [c for c in chunks if c["functions"].get("infer", {}).get("inputs", {}).get("current_pos")]
     paths = {}
     for fname in stateful[0]["functions"] if stateful else []:
-        if fname.startswith("verify_b"):
+        if split_rung(fname)[1].startswith("verify_b"):
             continue  # decoding's speculative step, never a prompt's (CONTRACT §3)
         fns = [c["functions"][fname] for c in stateful if fname in c["functions"]]
         if any(f["macs_per_token"] is None for f in fns):
@@ -113,6 +117,8 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
         chunks.append(entry)
     report = {"bundle": str(root), "chunks": chunks, "prompt_paths": prompt_paths(chunks)}
     report["device_cost"] = device_cost(_chunk_weights(c) for c in chunks)
+    if chunks and len(rungs_of(chunks[0]["functions"])) > 1:
+        report["rungs"] = rung_report(chunks)
     # the one-function models, costed as the chunks' functions: what a draft step or an image pays
     for name, function in ONE_FUNCTION_MODELS.items():
         path = next(iter(model_paths(root, name)), None)
@@ -121,6 +127,44 @@ def inspect_bundle(root: str | Path, sha256: bool = True) -> dict:
     problems = check_manifest(root, sha256) if manifest is not None else [f"{MANIFEST}: missing"]
     report["manifest"] = {"present": manifest is not None, "verified": not problems, "problems": problems}
     return report
+
+
+def rung_report(chunks: list[dict]) -> list[dict]:
+    """Per rung of a context ladder (bundle.ladder), from the saved programs: the bytes one decoded token reads
+    (every chunk's infer weights; its KV states, each read at least once; the caches handed to later chunks), the
+    state memory, and what the rung's functions wire with only that rung loaded. None where a compiled chunk
+    cannot be read back."""
+    rungs = rungs_of(chunks[0]["functions"])
+    report = []
+    for context in rungs:
+        mine = [
+            {f: io for f, io in c["functions"].items() if (split_rung(f)[0] or rungs[-1]) == context} for c in chunks
+        ]
+        infer = [m[rung_function("infer", context, rungs[-1])] for m in mine]
+        states = sum(_bytes(t) for c, io in zip(chunks, infer) for t in io.get("states", c["states"]).values())
+        hand_off = sum(_bytes(t) for io in infer for n, t in io["outputs"].items() if n.startswith("kv"))
+        known = all(io["weight_bytes"] is not None for m in mine for io in m.values())
+        weights = sum(io["weight_bytes"] for io in infer) if known else None
+        wired = sum(io["weight_bytes"] for m in mine for io in m.values()) * WIRED_PER_WEIGHT_BYTE if known else None
+        report.append(
+            {
+                "context": context,
+                "weight_bytes": weights,
+                "kv_bytes": states,
+                "hand_off_bytes": hand_off,
+                "bytes_per_token": weights + states + hand_off if known else None,
+                "state_bytes": states,
+                "wired_bytes": round(wired) if known else None,
+            }
+        )
+    return report
+
+
+def _bytes(t: dict) -> int:
+    n = {"float16": 2, "float32": 4, "int32": 4}.get(t["dtype"], 2)
+    for d in t["shape"]:
+        n *= d
+    return n
 
 
 def _planned_layers(manifest: dict) -> dict:
@@ -168,6 +212,8 @@ def _inspect_package(path: Path) -> dict:
             "weight_bytes": weight_bytes(fn),
             "macs_per_token": _macs(pkg, fname, fn) // T,
         }
+        if io["states"] != entry["states"]:  # a context ladder's smaller rung (bundle.ladder): its own states
+            entry["functions"][fname]["states"] = io["states"]
     return entry
 
 
@@ -193,14 +239,22 @@ def _inspect_compiled(path: Path, function: str | None = None) -> dict:
             "weight_bytes": None,  # unknown: the program is compiled
             "macs_per_token": None,
         }
+        if io["states"] != entry["states"]:
+            entry["functions"][fname]["states"] = io["states"]
     return entry
 
 
 def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     """Every problem with a bundle, one line each: files missing or damaged, a model_config.json
     the runtime cannot use. sha256=True verifies (`check`, `load(verify=True)`): hashes, every file
-    listed in the manifest, and a manifest at all, which only the published layout may lack
-    (`is_published`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
+    listed in the manifest, and a manifest at all, which only a bundle converted elsewhere may lack
+    (`converted_elsewhere`); sha256=False checks what `load` needs: presence and the manifest's sizes."""
+    return checked_bundle(root, sha256)[0]
+
+
+def checked_bundle(root: Path, sha256: bool = True) -> tuple[list[str], dict | None]:
+    """(check_bundle's problems, model_config.json as read_model_config read it, or None when it is unusable):
+    the file parsed once for both, as bundle.open needs them."""
     root = Path(root)
     if not root.is_dir():  # one line, as load and inspect say it, not a "missing" line for every required file
         raise BundleError(f"{root}: not a bundle directory")
@@ -208,29 +262,52 @@ def check_bundle(root: Path, sha256: bool = True) -> list[str]:
     problems = [f"{root / f}: missing" for f in REQUIRED if not (root / f).is_file()]
     if (root / MANIFEST).exists():
         problems += check_manifest(root, sha256)
-    for check in (chunk_paths, read_model_config):
+    config = None
+    try:
+        chunk_paths(root)
+    except BundleError as e:
+        problems.append(str(e))
+    try:
+        config = read_model_config(root)
+    except BundleError as e:
+        problems.append(str(e))
+    problems += _one_function_problems(root, config) if config is not None else []
+    for package in sorted(root.glob(f"*{PACKAGE}")):  # the files each package names, as a load reads them
         try:
-            check(root)
-        except BundleError as e:
+            Package.open(package).check_files()
+        except PackageError as e:
             problems.append(str(e))
-    problems += _one_function_problems(root)
+    problems += _compiled_problems(root)
     if sha256 and not (root / MANIFEST).exists() and not problems:
         try:
-            if not is_published(root):
+            if not converted_elsewhere(root):
                 missing = "missing (gemma-ane convert writes one; without it nothing can be verified)"
                 problems.append(f"{root / MANIFEST}: {missing}")
         except BundleError as e:
             problems.append(str(e))
-    return list(dict.fromkeys(problems))  # a file both required and in the manifest: report it once
+    return list(dict.fromkeys(problems)), config  # a file both required and in the manifest: report it once
 
 
-def _one_function_problems(root: Path) -> list[str]:
-    """A bundle whose model_config.json states an assistant or a vision model must hold its package and its
-    sidecars (the drafter's head, the vision model's position table)."""
+def _compiled_problems(root: Path) -> list[str]:
+    """A compiled chunk whose metadata.json cannot be read, or contradicts model_config.json (one without one
+    states nothing to check)."""
     try:
-        config = read_model_config(root)
+        paths = chunk_paths(root)
     except BundleError:
         return []  # check_bundle has reported it
+    problems = []
+    for path in paths:
+        if path.suffix == COMPILED and (path / METADATA).is_file():
+            try:
+                read_interfaces(path)
+            except BundleError as e:
+                problems.append(str(e))
+    return problems
+
+
+def _one_function_problems(root: Path, config: dict) -> list[str]:
+    """A bundle whose model_config.json states an assistant or a vision model must hold its package and its
+    sidecars (the drafter's head, the vision model's position table)."""
     missing = [
         package_path(root, name).name for name in ONE_FUNCTION_MODELS if name in config and not model_paths(root, name)
     ]
@@ -242,16 +319,24 @@ def _one_function_problems(root: Path) -> list[str]:
 
 
 def is_published(root: Path) -> bool:
-    """The published layout (CONTRACT §2, §4): no manifest, and chunk_3 is the argmax head. Our
-    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose
-    manifest is gone is not mistaken for it."""
+    """The published layout (CONTRACT §2, §4): no manifest, and the last chunk is the argmax head (as its package
+    or its compiled metadata.json states it; a compiled chunk without one, as the model config says). Our
+    converter's default layout always writes a manifest and a logits head, so a bundle of ours whose manifest is
+    gone is not mistaken for it."""
     root = Path(root)
     if (root / MANIFEST).exists():
         return False
-    last = chunk_paths(root)[-1]
-    if last.suffix == COMPILED:  # a compiled chunk states nothing: the model config says (as published_plan)
-        return read_model_config(root).get("head", "token_id") == "token_id"
     try:
-        return "logits" not in Package.open(last).interface("infer")["outputs"]
+        return "logits" not in read_interfaces(chunk_paths(root)[-1])["infer"]["outputs"]
     except PackageError as e:
         raise BundleError(str(e)) from None
+    except KeyError:
+        raise BundleError(f"{chunk_paths(root)[-1]}: no infer function") from None
+
+
+def converted_elsewhere(root: Path) -> bool:
+    """A bundle that may lack a manifest: the published layout, or one assembled from CoreML-LLM's files (its
+    model_config.json has no `head`, a key our converter always writes), such as the seed's own bundle: its
+    argmax-era chunks with a logits head."""
+    root = Path(root)
+    return not (root / MANIFEST).exists() and ("head" not in read_model_config(root) or is_published(root))

@@ -4,10 +4,12 @@ tensors it takes and hands on, for any number of chunks; and the boundaries a si
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
+from .ladder import check_contexts, rung_function
 from .spec import FULL, SLIDING, ConfigError, ModelSpec
 
 F16, I32 = "float16", "int32"
@@ -31,7 +33,9 @@ class Chunk:
     sliding_layers: tuple[int, ...]
     full_layers: tuple[int, ...]
     states: dict  # name -> Tensor
-    functions: dict  # function name -> {"T": int, "inputs": {name: Tensor}, "outputs": {name: Tensor}}
+    # function name -> {"T": int, "inputs": {name: Tensor}, "outputs": {name: Tensor}}; a smaller rung's functions
+    # (ladder.py: ctx{C}_...) also hold "states", their own
+    functions: dict
     has_head: bool
     computes_ple: bool
 
@@ -50,6 +54,7 @@ class Chunk:
                 f: {
                     "inputs": {k: v.to_json() for k, v in io["inputs"].items()},
                     "outputs": {k: v.to_json() for k, v in io["outputs"].items()},
+                    **({"states": {k: v.to_json() for k, v in io["states"].items()}} if "states" in io else {}),
                 }
                 for f, io in self.functions.items()
             },
@@ -68,6 +73,7 @@ class ChunkPlan:
     split: tuple[int, ...]  # N-1 layer boundaries: chunk_{k+1} starts at split[k-1]
     chunks: tuple[Chunk, ...]
     draft_tokens: int = 0  # K: verify_b{K+1} checks K drafts (speculative decoding); 0 = no drafter
+    contexts: tuple[int, ...] = ()  # the ladder's rungs, ascending, the last `context` (ladder.py); () = none
 
     @property
     def window(self) -> int:
@@ -88,8 +94,17 @@ class ChunkPlan:
             "prefill_batch": self.prefill_batch,
             "split": list(self.split),
             "draft_tokens": self.draft_tokens,
+            **({"contexts": list(self.contexts)} if self.contexts else {}),
             "chunks": [c.to_json() for c in self.chunks],
         }
+
+    def rung_io(self, chunk: Chunk, function: str, context: int) -> dict:
+        """`function` of `chunk` on the rung of `context` (the plan's own context: its plain-named functions)."""
+        return chunk.functions[rung_function(function, context, self.context)]
+
+    def rung_states(self, chunk: Chunk, context: int) -> dict:
+        """The states `chunk` has on the rung of `context`."""
+        return self.rung_io(chunk, "infer", context).get("states", chunk.states)
 
     def hands_on(self, chunk: Chunk) -> list[str]:
         """The producer caches a chunk returns for later chunks (kv{p}_k / kv{p}_v)."""
@@ -143,6 +158,7 @@ class ChunkPlan:
         kv_batches: tuple[int, ...] = (),
         draft_tokens: int = 0,
         functions: tuple[str, ...] | None = None,
+        contexts: tuple[int, ...] | None = None,
     ) -> ChunkPlan:
         """split: the N-1 layer boundaries of N chunks (default: the published layout's three, `default_split`).
         head="logits" (ours) or "token_id" (the published layout's argmax head: greedy only).
@@ -152,7 +168,16 @@ class ChunkPlan:
         (`ring_slots`).
         functions: the functions every chunk carries when it can (`select_functions`: names, kinds or a profile's
         list; None: all). A KV-only batch left out does not pad the ring; a verify function left out keeps the
-        drafter's padding and outputs, so the bundle's layout does not depend on it."""
+        drafter's padding and outputs, so the bundle's layout does not depend on it.
+        contexts: a ladder's rungs (ladder.py), ascending; `context` must be the largest. Every chunk then also
+        carries each of its functions per smaller rung C, as ctx{C}_{function}, with states and hand-offs for C."""
+        if contexts:
+            contexts = check_contexts(spec, contexts)
+            if context != contexts[-1]:
+                raise ConfigError(f"context={context}: a ladder's context is its largest rung ({contexts[-1]})")
+            options = (prefill_batch, split, head, kv_batches, draft_tokens, functions)
+            top = cls.build(spec, context, *options)
+            return top._with_rungs([cls.build(spec, c, *options) for c in contexts[:-1]], contexts)
         _check_options(spec, context, prefill_batch, head, kv_batches, draft_tokens)
         split = tuple(split) if split is not None else cls.default_split(spec)
         _check_split(spec, split)
@@ -203,6 +228,18 @@ class ChunkPlan:
             chunks=tuple(chunks),
             draft_tokens=draft_tokens,
         )
+
+    def _with_rungs(self, lower: list[ChunkPlan], contexts: tuple[int, ...]) -> ChunkPlan:
+        """This plan with the functions of the smaller rungs' plans added to each chunk under their rung's names."""
+        chunks = []
+        for ci, chunk in enumerate(self.chunks):
+            functions = dict(chunk.functions)
+            for rung in lower:
+                own = rung.chunks[ci]
+                for f, io in own.functions.items():
+                    functions[rung_function(f, rung.context, self.context)] = {**io, "states": own.states}
+            chunks.append(dataclasses.replace(chunk, functions=functions))
+        return dataclasses.replace(self, chunks=tuple(chunks), contexts=contexts)
 
 
 # -- which functions a chunk carries, and what they cost on a device ------------------------------------------

@@ -43,6 +43,7 @@ class TextConfig:
     global_head_dim: int | None = None
     vocab_size: int
     context_length: int | None = None
+    contexts: list[int] | None = None  # a context ladder's rungs (bundle.ladder), the last context_length
     sliding_window: int | None = None
     per_layer_dim: int
     num_kv_shared_layers: int | None = None
@@ -80,6 +81,7 @@ class TextConfig:
             global_head_dim=spec.head_dim_of(FULL),
             vocab_size=spec.vocab_size,
             context_length=plan.context,
+            contexts=list(plan.contexts) or None,
             sliding_window=plan.window,
             per_layer_dim=spec.per_layer_dim,
             num_kv_shared_layers=spec.num_kv_shared_layers,
@@ -122,7 +124,7 @@ class TextConfig:
                 raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
         for name, (what, ok) in TEXT_RELATIONS.items():
             if name in config and not ok(config[name], config):
-                what += f" {config['num_hidden_layers']}"
+                what = what.format(**config)
                 raise BundleError(f"{where}: {name}={_short(config[name])}: expected {what}")
         return cls(**{f.name: config.get(f.name) for f in fields(cls)})
 
@@ -233,6 +235,22 @@ def audio_function(frames: int, buckets) -> str:
     return "encode" if frames == max(buckets) else f"encode_{frames}"
 
 
+@dataclass(frozen=True)
+class WeightsConfig:
+    """`weights`: how the chunks' linear weights were compressed, stated when it is not the default (a k-means LUT
+    per group of output rows, nothing kept at fp16). For the record: the chunks carry their weights' format, and
+    the runtime reads none of it. Every field is required."""
+
+    quant: str
+    bits: int
+    group_size: int
+    group_axis: str
+    keep: list[str]
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 ENTRIES = {ASSISTANT: AssistantConfig, VISION: VisionConfig, AUDIO: AudioConfig}  # the one-function models' entries
 
 
@@ -288,6 +306,11 @@ TEXT_FIELDS = {
         f"a positive integer, at most {MAX_CONTEXT}",
         lambda v: _positive(v) and v <= MAX_CONTEXT,
     ),
+    "contexts": (
+        False,
+        f"ascending multiples of 32, at most {MAX_CONTEXT}",
+        lambda v: _ascending(v) and len(v) >= 2 and v[-1] <= MAX_CONTEXT and all(c % 32 == 0 for c in v),
+    ),
     "prefill_batch": (False, "a positive integer", _positive),
     "split": (False, "ascending layer indices", _ascending),
     "chunks": (
@@ -296,7 +319,15 @@ TEXT_FIELDS = {
         lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, dict) and "name" in c for c in v),
     ),
     "head": (False, '"logits" or "token_id"', lambda v: v in ("logits", "token_id")),
-    "weights": (False, "an object (how linear weights were compressed)", lambda v: isinstance(v, dict)),
+    "weights": (
+        False,
+        "an object: quant, bits, group_size, group_axis, keep (how linear weights were compressed)",
+        lambda v: (
+            isinstance(v, dict)
+            and set(WEIGHTS_FIELDS) <= v.keys()
+            and all(ok(v[k]) for k, (_, ok) in WEIGHTS_FIELDS.items())
+        ),
+    ),
     # the chunks have these baked in; stated for the record, so a value no conversion writes is damage
     "rms_norm_eps": (False, "a positive fp32 number", _scale),
     # null: a checkpoint without one (a bundle converted before to_json left it out)
@@ -308,16 +339,35 @@ TEXT_FIELDS = {
     ),
 }
 
+# `weights` (WeightsConfig): name -> (what it must be, test); what `convert --quant/--bits/--group-size/--keep` wrote
+WEIGHTS_FIELDS = {
+    "quant": (
+        '"lut" (a k-means LUT per group_size output rows) or "block" (one scale per group_size inputs)',
+        lambda v: v in ("lut", "block"),
+    ),
+    "bits": ("an integer from 1 to 16", lambda v: _integer(v) and 1 <= v <= 16),
+    "group_size": ("a positive integer", _positive),
+    "group_axis": ('"output" (lut) or "input" (block)', lambda v: v in ("output", "input")),
+    "keep": (
+        "a list of regular expressions (weights they match stay fp16)",
+        lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+    ),
+}
+
 # the text fields whose rule reads another (checked after TEXT_FIELDS', so that one is sound): name -> (what it
 # must be, test of the value given the whole config)
 TEXT_RELATIONS = {
     "layer_types": (
-        "one per layer, as many as num_hidden_layers",
+        "one per layer, as many as num_hidden_layers {num_hidden_layers}",
         lambda v, c: len(v) == c["num_hidden_layers"],
     ),
     "split": (
-        "boundaries up to num_hidden_layers",
+        "boundaries up to num_hidden_layers {num_hidden_layers}",
         lambda v, c: v[-1] <= c["num_hidden_layers"],
+    ),
+    "contexts": (
+        "rungs whose largest is the context_length",
+        lambda v, c: "context_length" in c and v[-1] == c["context_length"],
     ),
 }
 

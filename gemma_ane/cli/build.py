@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..bundle.ladder import format_rung_costs, parse_contexts, rung_costs
 from ..bundle.plan import (
     PROFILES,
     ChunkPlan,
@@ -23,7 +24,8 @@ from .steps import add_quiet, shown, step, writable
 
 
 def _plan_table(plan: ChunkPlan, bits: int) -> str:
-    head = f"context {plan.context}, window {plan.window}, prefill batch {plan.prefill_batch}"
+    rungs = f" (a ladder: {', '.join(map(str, plan.contexts))})" if plan.contexts else ""
+    head = f"context {plan.context}{rungs}, window {plan.window}, prefill batch {plan.prefill_batch}"
     lines = [f"{head}, split {','.join(map(str, plan.split))}"]
     for c, role in zip(plan.chunks, plan.describe(bits)):
         layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
@@ -60,17 +62,30 @@ def cmd_plan(a):
     kv = _batches(a.kv_prefill_batches)
     if kv is None:  # what convert builds by default
         kv = default_kv_batches(spec)
-    plan = ChunkPlan.build(spec, a.context, a.prefill_batch, _split_of(a, spec), kv_batches=kv, functions=functions)
+    contexts = parse_contexts(a.contexts)
+    plan = ChunkPlan.build(
+        spec,
+        contexts[-1] if contexts else a.context,
+        a.prefill_batch,
+        _split_of(a, spec),
+        kv_batches=kv,
+        functions=functions,
+        contexts=contexts,
+    )
     if a.json:  # the plan, each chunk's role and weights at --bits, and what its functions would wire
         roles = {r["name"]: r for r in plan.describe(a.bits)}
         data = plan.to_json()
         data["bits"] = a.bits
         data["chunks"] = [{**roles[c["name"]], **c} for c in data["chunks"]]
         data["device_cost"] = plan.device_cost(a.bits)
+        if plan.contexts:
+            data["rungs"] = rung_costs(plan, a.bits)
         print(json.dumps(data, indent=2))
     else:
         print(_plan_table(plan, a.bits))
         print("\n" + "\n".join(format_device_cost(plan.device_cost(a.bits))))
+        if plan.contexts:
+            print("\n" + "\n".join(format_rung_costs(rung_costs(plan, a.bits))))
 
 
 def cmd_tiny(a):
@@ -137,6 +152,7 @@ def cmd_convert(a):
         audio_bits=a.audio_bits,
         functions=tuple(n.strip() for n in a.functions.split(",")) if a.functions is not None else None,
         profile=a.profile,
+        contexts=parse_contexts(a.contexts),
     )
     timer = StageTimer()
     seconds = convert(a.src, a.out, opts, progress=shown(a), timer=timer)
@@ -191,27 +207,34 @@ def cmd_inspect(a):
             f"{path['weight_bytes_per_prompt_token'] / 1e6:.2f} MB of weights per prompt token"
         )
     print("\n".join(format_device_cost(report["device_cost"])))
+    if "rungs" in report and all(r["weight_bytes"] is not None for r in report["rungs"]):
+        print("\n".join(format_rung_costs(report["rungs"])))
     m = report["manifest"]
     print("manifest: " + ("verified" if m["verified"] else "; ".join(m["problems"])))
     return 0 if m["verified"] else 1
 
 
 def cmd_check(a):
-    from ..bundle import check_bundle, is_published
+    from ..bundle import check_bundle, converted_elsewhere, is_published
 
     problems = check_bundle(a.bundle, sha256=True)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
         return 1
-    if is_published(a.bundle):  # check_bundle lets only the published layout go without a manifest
-        print(f"{a.bundle}: not verifiable: no manifest (the published layout has none); required files present")
+    if converted_elsewhere(a.bundle):  # check_bundle lets only such a bundle go without a manifest
+        who = "the published layout" if is_published(a.bundle) else "a bundle of CoreML-LLM's model config"
+        print(f"{a.bundle}: not verifiable: no manifest ({who} has none); required files present")
         return 3
     print(f"{a.bundle}: ok (the manifest lists every file; sizes and sha256 match)")
     return 0
 
 
 CONTEXT_HELP = "positions the caches hold, prompt and answer together (a multiple of 32, at least the window)"
+CONTEXTS_HELP = (
+    "a context ladder, e.g. 2048,8192,32768: every chunk's functions once per context (ascending, each as --context "
+    "requires); a session runs on the smallest that holds it and climbs when it grows; overrides --context"
+)
 
 
 def _add_split(s):
@@ -243,6 +266,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser("plan", help="show how the model splits into Core ML chunks")
     s.add_argument("src", help="config.json or checkpoint directory")
     s.add_argument("--context", type=int, default=2048, help=CONTEXT_HELP)
+    s.add_argument("--contexts", metavar="LIST", help=CONTEXTS_HELP)
     s.add_argument("--prefill-batch", type=int, default=8, help="tokens a prefill call takes (the prefill_bT function)")
     _add_split(s)
     s.add_argument("--bits", type=int, default=4, help="the weights' bits, for the sizes (16: fp16)")
@@ -279,6 +303,7 @@ def add_commands(sub) -> None:
     s.add_argument("src", help="Hugging Face checkpoint directory (or Hub id, when online)")
     s.add_argument("out", help="bundle directory to create")
     s.add_argument("--context", type=int, default=2048, help=CONTEXT_HELP)
+    s.add_argument("--contexts", metavar="LIST", help=CONTEXTS_HELP)
     s.add_argument("--bits", type=int, default=4, help="4, 6, 8, or 16 for no palettization")
     s.add_argument(
         "--group-size",

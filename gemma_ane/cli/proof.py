@@ -61,6 +61,8 @@ def cmd_verify(a):
             )
             + f" -> {'PASS' if report['passed'] else 'FAIL'}"
         )
+        for crossing in report.get("crossings", ()):
+            print(f"  climbed: {crossing}")
     return 0 if report["passed"] else 1
 
 

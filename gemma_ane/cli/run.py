@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..runtime.audio import load_audio
+from ..runtime.device import BACKENDS
 from ..runtime.grammar import GrammarError, response_grammar
 from ..runtime.images import MAX_PIXELS
 from ..runtime.sampling import FIELDS, GENERATION_CONFIG_FIELDS, SamplingParams
@@ -224,11 +225,11 @@ def _summary(last) -> str:
             if last.tokens_per_verify
             else ""
         )
+        + "".join(f" | climbed: {c}" for c in last.crossings)
         + f" | finish: {last.finish_reason}"
     )
 
 
-BACKENDS = ["auto", "coreml", "mil"]
 BACKEND_HELP = "coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil"
 
 

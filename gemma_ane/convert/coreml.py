@@ -273,7 +273,7 @@ def trace_function(model, chunk, function: str, timer, precision: str = "fp16"):
         traced = torch.jit.trace(model, examples, strict=False, check_trace=False)
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=n)
-        for n, t in chunk.states.items()
+        for n, t in io.get("states", chunk.states).items()
     ]
     with timer("convert"), patched_coremltools(), _lean_fp16_pass(scratch):
         return ct.convert(

@@ -142,13 +142,7 @@ def weights_record(options: ConvertOptions) -> dict | None:
     if options.quant == "lut" and not options.keep:
         return None
     axis = {"lut": "output", "block": "input"}[options.quant]
-    return {
-        "quant": options.quant,
-        "bits": options.bits,
-        "group_size": options.group_size,
-        "group_axis": axis,
-        "keep": list(options.keep),
-    }
+    return schema.WeightsConfig(options.quant, options.bits, options.group_size, axis, list(options.keep)).to_json()
 
 
 def manifest_header(src: Path, options: ConvertOptions, plan: ChunkPlan, components: list) -> dict:
@@ -184,13 +178,14 @@ def open_source(src: str, options: ConvertOptions) -> tuple[Path, Checkpoint, Ch
     try:
         plan = ChunkPlan.build(
             ckpt.spec,
-            options.context,
+            options.contexts[-1] if options.contexts else options.context,
             options.prefill_batch,
             options.split,
             head="token_id" if options.layout == "published" else "logits",
             kv_batches=kv,
             draft_tokens=options.draft_tokens if options.assistant else 0,
             functions=options.carried,
+            contexts=options.contexts,
         )
     except ConfigError as e:
         raise ConvertError(str(e)) from None

@@ -70,6 +70,9 @@ class ConvertOptions:
     # prefill, prefill_kv, verify), or a named set (`profile`: phone, mac); neither: everything the options make
     functions: tuple[str, ...] | None = None
     profile: str | None = None
+    # a context ladder's rungs (bundle.ladder), ascending; the largest is the bundle's context (`context` is then
+    # ignored); None: one context
+    contexts: tuple[int, ...] | None = None
 
     @property
     def carried(self) -> tuple[str, ...] | None:
@@ -96,6 +99,8 @@ class ConvertOptions:
             raise ConvertError(f"--draft-tokens {self.draft_tokens!r}: expected an integer")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConvertError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
+        if self.contexts is not None and self.layout == "published":
+            raise ConvertError("--contexts: the published layout has one context (its functions are fixed); use ours")
         if self.assistant and self.layout == "published":
             raise ConvertError("--assistant: the published layout has no drafter (its head is an argmax); use ours")
         if self.image_tokens not in SOFT_TOKEN_BUDGETS:
@@ -159,7 +164,7 @@ class ConvertOptions:
         defaults, so a bundle converted with the defaults stays byte-identical to one converted before they
         existed."""
         record = dataclasses.asdict(self)
-        for name in ("quant", "keep", "audio", "audio_bits", "audio_seconds", "functions", "profile"):
+        for name in ("quant", "keep", "audio", "audio_bits", "audio_seconds", "functions", "profile", "contexts"):
             if record[name] == _DEFAULTS[name]:
                 del record[name]
         return record

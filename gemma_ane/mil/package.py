@@ -8,6 +8,7 @@ Core ML will load, not what we meant to write. Executing a program is `executor.
 from __future__ import annotations
 
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..errors import BundleError
 from ..files import tree_size
-from .program import BITS, BlobError, ProgramError, pb2, read_program, read_spec
+from .program import BITS, BlobError, ProgramError, inside, pb2, read_program, read_spec
 
 
 class PackageError(BundleError):
@@ -127,6 +128,23 @@ class Package:
             raise PackageError(f"{self.path}: weight file damaged ({e}); re-convert or run gemma-ane check") from None
         except ProgramError as e:
             raise PackageError(f"{self.path}: unreadable program in model.mlmodel ({e})") from None
+
+    def check_files(self) -> None:
+        """The weights folder and each file in it inside the package and regular, as program() would map them (the
+        spec's own file was checked as open read it): what `check` asks without reading the weights."""
+        folder = self.weights_dir
+        if not folder.exists():
+            return
+        try:
+            inside(folder, self.path, ProgramError, "Data/com.apple.CoreML/weights")
+            for f in sorted(folder.iterdir()):
+                inside(f, self.path, ProgramError, f"weights/{f.name}")
+                if not stat.S_ISREG(f.stat().st_mode):
+                    raise ProgramError(f"weights/{f.name}: not a regular file")
+        except ProgramError as e:
+            raise PackageError(f"{self.path}: {e}") from None
+        except OSError as e:
+            raise PackageError(f"{self.path}: weights: {e.strerror or type(e).__name__}") from None
 
     def size_bytes(self) -> int:
         return tree_size(self.path)

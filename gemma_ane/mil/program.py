@@ -9,6 +9,10 @@ An .mlpackage is a folder:
     Data/com.apple.CoreML/model.mlmodel  a Model protobuf (Model.proto); an ML Program's is `spec.mlProgram`
     Data/com.apple.CoreML/weights/       weight.bin, the blob storage its constants point into
 
+Every file a package names is read only if it lies inside the package (symbolic links followed), is a regular file
+(a FIFO or a device is refused, never waited on or read) and is within its size bound: Manifest.json 1 MiB, the
+model spec 256 MiB, a weight file 64 GiB (mapped, not read whole). So what `check` hashes is what runs.
+
 The MIL program (MIL.proto): functions by name, each a block (`block_specializations[opset]`) of operations. An
 operation has a type, attributes (its "name"; a const's "val"), inputs by parameter name (each a list of bindings,
 by the name of an earlier var or by an immediate value) and typed outputs. A value is immediate (a tensor's floats,
@@ -28,6 +32,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import threading
 import types
@@ -37,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BundleError
+from ..files import is_within, open_regular, read_regular
 
 
 class ProgramError(BundleError):
@@ -269,10 +275,14 @@ class _Blobs:
     def _file(self, name: str) -> np.ndarray:
         if name not in self.files:
             path = self.folder / name.split("/")[-1]  # "@model_path/weights/weight.bin": its weights folder
-            try:
-                data = np.memmap(path, np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-            except OSError as e:
-                raise BlobError(f"{e.strerror or type(e).__name__} reading weights/{path.name}") from None
+            package = self.folder.parents[2]  # PACKAGE/Data/com.apple.CoreML/weights
+            inside(path, package, BlobError, f"weights/{path.name}")
+            with open_regular(path, MAX_WEIGHT_BYTES, BlobError, f"weights/{path.name}") as fh:
+                try:
+                    size = os.fstat(fh.fileno()).st_size
+                    data = np.memmap(fh, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+                except OSError as e:
+                    raise BlobError(f"{e.strerror or type(e).__name__} reading weights/{path.name}") from None
             if data.size < 64 or int(data[4:8].view("<u4")[0]) != 2:
                 raise BlobError(f"weights/{path.name} is not a version 2 blob storage file")
             self.files[name] = data
@@ -495,12 +505,28 @@ class _Reader:
         return Function(inputs, [self.vars[n] for n in block.outputs], ops)
 
 
+MAX_MANIFEST_BYTES = 1 << 20  # a package's Manifest.json: a few hundred bytes
+MAX_SPEC_BYTES = 1 << 28  # its model spec, the program without its weights: a few MB for a chunk
+MAX_WEIGHT_BYTES = 1 << 36  # a weight file: the largest chunk at 16 bits is a few GB
+
+
+def inside(path: Path, package: Path, error: type[Exception], name: str) -> None:
+    """Refuses `path` (named `name`) unless it lies inside `package`, symbolic links followed."""
+    if not is_within(path, package):
+        raise error(f"{name}: lies outside the package ({os.path.realpath(path)})")
+
+
 def read_spec(package: Path):
-    """The Model protobuf of a package: the root model Manifest.json names."""
-    manifest = json.loads((package / "Manifest.json").read_text())
-    entry = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]
+    """The Model protobuf of a package: the root model Manifest.json names, a file inside the package."""
+    manifest = json.loads(read_regular(package / "Manifest.json", MAX_MANIFEST_BYTES, ProgramError, "Manifest.json"))
+    root = manifest["rootModelIdentifier"]
+    relative = manifest["itemInfoEntries"][root]["path"]
+    field = f"Manifest.json: itemInfoEntries[{root!r}].path"
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
+        raise ProgramError(f"{field}: {relative!r} is not a path relative to Data/")
+    inside(package / "Data" / relative, package, ProgramError, f"{field} {relative!r}")
     model = pb2("Model_pb2").Model()
-    model.ParseFromString((package / "Data" / entry["path"]).read_bytes())
+    model.ParseFromString(read_regular(package / "Data" / relative, MAX_SPEC_BYTES, ProgramError, f"Data/{relative}"))
     return model
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..bundle import layout
 from ..convert.checkpoint import Checkpoint
 from ..errors import InputError
+from ..files import read_regular
 from ..runtime.tokens import BOS
 
 ROWS = 64  # logit rows turned into float64 log-probabilities at a time: the real vocabulary is 262,144 wide
@@ -76,13 +77,17 @@ def _reference_logits(model, ids: np.ndarray, rows: int) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
+MAX_TEXT_BYTES = 1 << 26  # 64 MiB: fifty times wikitext-103's test split, days of scoring
+
+
 def read_text(path) -> str:
+    """The text of `path`: a regular file (a FIFO or a device is refused, never waited on or read to its end) of
+    at most MAX_TEXT_BYTES, in UTF-8."""
+    data = read_regular(path, MAX_TEXT_BYTES, EvalError, f"--text {path}: cannot read")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise EvalError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise EvalError(f"--text {path}: cannot read ({e.strerror or e})") from None
     if not text.strip():
         raise EvalError(f"--text {path}: empty text")
     return text
@@ -109,8 +114,9 @@ def evaluate(
     """KL divergence, top-1 agreement and perplexities of `bundle` against transformers over the text in
     `text_path` (see the module's docstring for the windows). `context` defaults to the bundle's, `stride` to half
     of it."""
-    from ..bundle import read_model_config
+    from ..bundle import open_bundle
     from ..runtime.backend import open_engine
+    from ..runtime.device import Device
     from .verify import check_pair, oracle_model
 
     if precision not in ("fp32", "fp16"):
@@ -120,10 +126,11 @@ def evaluate(
         raise EvalError(f"--bundle {bundle}: not a bundle directory")
     ckpt = Checkpoint(src)
     ckpt.validate()
-    config = read_model_config(bundle)
+    opened = open_bundle(bundle, check=False)
+    config = opened.config.raw
     check_pair(ckpt, bundle, config)
     text = read_text(text_path)
-    engine = open_engine(bundle, "mil", precision)
+    engine = open_engine(opened, Device.of("mil", precision))
     if engine.head != "logits":
         raise EvalError(f"--bundle {bundle}: its head returns token ids, not logits (the published layout)")
     context = engine.context if context is None else context

@@ -349,7 +349,7 @@ AUDIO_PRESETS = ("e2b-audio-mini",)
 AUDIO_TOKEN_IDS = dict(zip(("boa_token_id", "audio_token_id", "eoa_token_index"), TINY_AUDIO_TOKENS))
 
 
-def _randomize_audio(model, seed: int = 0) -> None:
+def _randomize_audio(model, seed: int = 0, layers: int = AUDIO["num_hidden_layers"]) -> None:
     """Well-conditioned random weights for the audio tower and its embedder (_randomize's rules): projections and
     convolutions to unit scale, norm weights far from 1, a per-dimension query scale around softplus(0), an
     output bias, and clip bounds that bite (activations are ~unit scale), except the last layer's: -inf as
@@ -361,7 +361,7 @@ def _randomize_audio(model, seed: int = 0) -> None:
     def uniform(shape, lo, hi):
         return torch.rand(shape, generator=g) * (hi - lo) + lo
 
-    last = f"layers.{AUDIO['num_hidden_layers'] - 1}."
+    last = f"layers.{layers - 1}."
     for module in (model.model.audio_tower, model.model.embed_audio):
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             if name.endswith(("inv_timescales", "softcap")) or (last in name and "output_min" in name):
@@ -383,9 +383,11 @@ def _randomize_audio(model, seed: int = 0) -> None:
             t.data.copy_(value)
 
 
-def build_model(preset: str, seed: int = 0):
+def build_model(preset: str, seed: int = 0, shape: dict | None = None):
     """A Gemma4ForConditionalGeneration with random weights, a small vision tower and an audio one: AUDIO for
-    AUDIO_PRESETS, a tiny one (random initial weights, too narrow to run) for the others."""
+    AUDIO_PRESETS, a tiny one (random initial weights, too narrow to run) for the others. `shape`: a shape no
+    preset has, for the tests' matrices: {"audio": AUDIO's fields to change (a tower that runs, whatever the
+    preset), "text": the text config's, "token_ids": config.json's media token ids}."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
@@ -398,18 +400,23 @@ def build_model(preset: str, seed: int = 0):
         output_proj_dims=16,
         conv_kernel_size=3,
     )
-    if preset in AUDIO_PRESETS:
-        audio = AUDIO
+    shape = shape or {}
+    runs = preset in AUDIO_PRESETS or "audio" in shape  # a tower that runs, and the audio tokens
+    if runs:
+        audio = {**AUDIO, **shape.get("audio", {})}
 
     def config(vision: dict):
         return Gemma4Config(
-            text_config=text_config(preset),
+            text_config={**text_config(preset), **shape.get("text", {})},
             vision_config=vision,
             audio_config=audio,
             eos_token_id=[1, 106],
             tie_word_embeddings=True,
-            **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
-            **(AUDIO_TOKEN_IDS if preset in AUDIO_PRESETS else {}),
+            **{
+                **{name: i for i, name in MEDIA_TOKEN_IDS.items()},
+                **(AUDIO_TOKEN_IDS if runs else {}),
+                **shape.get("token_ids", {}),
+            },
         )
 
     model = Gemma4ForConditionalGeneration(config(VISION)).eval()
@@ -425,8 +432,8 @@ def build_model(preset: str, seed: int = 0):
         if preset not in TRAINED:
             _randomize(model, seed, **CONDITIONING.get(preset, {}))
         _randomize_vision(model, seed)
-        if preset in AUDIO_PRESETS:
-            _randomize_audio(model, seed)
+        if runs:
+            _randomize_audio(model, seed, audio["num_hidden_layers"])
     return model
 
 
@@ -538,6 +545,7 @@ def write_tiny(
     force: bool = False,
     assistant: str | os.PathLike | None = None,
     train: bool = False,
+    shape: dict | None = None,
 ) -> Path:
     """Write a tiny checkpoint directory (HF multimodal layout) atomically; return its path. With `assistant`,
     also write its drafter there (Gemma4AssistantForCausalLM, HF layout, one safetensors file). A TRAINED preset
@@ -561,8 +569,8 @@ def write_tiny(
         if path is not None and Path(path).exists() and not force:
             raise InputError(f"{path}: already exists (use --force to replace it)")
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    model = build_model(preset, seed)
-    vocab_size, corpus = text_config(preset)["vocab_size"], None
+    model = build_model(preset, seed, shape)
+    vocab_size, corpus = model.config.text_config.vocab_size, None
     if preset in TRAINED:
         from . import tiny_train
 
@@ -571,7 +579,7 @@ def write_tiny(
         else:
             tiny_train.load_trained(model)
         corpus = tiny_train.tokenizer_corpus()
-    with checkpoint_dir(out, vocab_size, corpus, audio=preset in AUDIO_PRESETS) as tmp:
+    with checkpoint_dir(out, vocab_size, corpus, audio=preset in AUDIO_PRESETS or "audio" in (shape or {})) as tmp:
         _save(model, tmp, torch_dtype, shards)
     if assistant is not None:
         drafter = build_assistant(preset, seed)

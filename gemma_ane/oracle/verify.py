@@ -134,6 +134,17 @@ def random_ids(spec: ModelSpec, n: int, seed: int, avoid=()) -> np.ndarray:
     return ids
 
 
+def placeholder_ids(root) -> tuple[int, ...]:
+    """The ids Gemma4ForConditionalGeneration takes for media placeholders wherever they stand (image, video,
+    audio: get_placeholder_mask), embedding the pad token there. Random text must not draw one: transformers
+    would read a text token as a placeholder with no media behind it, so the prompt compared would not be the
+    bundle's (the text rows after it differ, cosine below 0, whatever the audio or image path does)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(root)
+    return tuple(getattr(config, f"{kind}_token_id") for kind in ("image", "video", "audio"))
+
+
 def run_engine(engine: Engine, ids: np.ndarray, prompt_len: int, prompt_logits: str = "all") -> np.ndarray:
     """Prompt through the prefill path (logits at every prompt row; with "last", as generation runs it: KV-only
     batches where they fit, the last row's logits only), then teacher-forced decoding."""
@@ -219,8 +230,9 @@ def verify_bundle(
     `prompt_path="generate"` runs the prompt as generation does (KV-only prefill, which has no logits but the last
     row's) and compares from the prompt's last position on: the rows after it read the caches those batches
     wrote; the report then names the functions the prompt ran."""
-    from ..bundle import read_model_config
+    from ..bundle import open_bundle
     from ..runtime.backend import open_engine
+    from ..runtime.device import Device
 
     if images and audio:
         raise InputError("--image and --audio: verify one kind of media a run")
@@ -233,11 +245,14 @@ def verify_bundle(
     _check_seed(seed)
     ckpt = Checkpoint(src)
     ckpt.validate()
-    check_pair(ckpt, Path(bundle), read_model_config(bundle))  # another checkpoint's bundle: torch's size mismatch
-    engine = open_engine(bundle, "mil", precision)
-    encoder = _media_encoder(bundle, precision, images, audio, max_image_pixels)
+    opened = open_bundle(bundle, check=False)
+    check_pair(ckpt, Path(bundle), opened.config.raw)  # another checkpoint's bundle: torch's size mismatch
+    device = Device.of("mil", precision, "cpu_only")
+    engine = open_engine(opened, device)
+    encoder = _media_encoder(opened, device, images, audio, max_image_pixels)
     prompt_len = _prompt_len(prompt_len, tokens)
-    ids = random_ids(ckpt.spec, tokens, seed, avoid=encoder.token_ids if encoder else ())
+    avoid = (*encoder.token_ids, *placeholder_ids(ckpt.root)) if encoder else ()
+    ids = random_ids(ckpt.spec, tokens, seed, avoid=avoid)
     media = images or audio
     soft = [encoder.encode(item, f"{encoder.kind} {i + 1}") for i, item in enumerate(media)]
     ids, prompt_len = _with_images(ids, prompt_len, soft, encoder)
@@ -274,27 +289,30 @@ def verify_bundle(
         report["int8_tables_vs_original"] = compare(ref, oracle_logits(oracle_model(ckpt), full)[first:])
     if prompt_path == "generate":
         report["prompt_functions"] = functions
+    if engine.crossings:  # a context ladder's rungs, climbed as the positions grew
+        report["crossings"] = [c.describe() for c in engine.crossings]
     # a clip's own rows' logits are never read: its K/V are, by every text row after it, so audio prompts are
     # judged on the text rows (their logits at the clip's rows have margins under fp16's error on the tiny presets)
     report["passed"] = passed({"precision": precision, **report["text_positions"]} if audio else report)
     return report
 
 
-def _media_encoder(bundle, precision: str, images, audio, max_image_pixels: int):
-    """The bundle's encoder for the run's media, on the MIL executor; None for a text run. A bundle without the
+def _media_encoder(bundle, device, images, audio, max_image_pixels: int):
+    """The (opened) bundle's encoder for the run's media, on `device`; None for a text run. A bundle without the
     model the media need is refused in one line."""
-    from ..bundle import read_model_config
     from ..runtime.encoder import open_audio_encoder, open_image_encoder
 
     if images:
-        encoder = open_image_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle), max_image_pixels)
+        encoder = open_image_encoder(bundle, device, max_image_pixels)
         if encoder is None:
-            raise InputError(f"--image: {bundle} has no vision model (converted with --no-vision, or text-only)")
+            raise InputError(f"--image: {bundle.root} has no vision model (converted with --no-vision, or text-only)")
         return encoder
     if audio:
-        encoder = open_audio_encoder(bundle, "mil", precision, "cpu_only", read_model_config(bundle))
+        encoder = open_audio_encoder(bundle, device)
         if encoder is None:
-            raise InputError(f"--audio: {bundle} has no audio model (converted with --no-audio, or without a tower)")
+            raise InputError(
+                f"--audio: {bundle.root} has no audio model (converted with --no-audio, or without a tower)"
+            )
         return encoder
     return None
 

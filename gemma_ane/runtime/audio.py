@@ -6,15 +6,22 @@ has images.py's shape: `load_audio` turns a source into a decoded signal or a on
 the audio encoder's fixed-shape inputs and the number of soft tokens its placeholder expands to in the prompt.
 
 What `load_audio` does with awkward input:
-- formats: whatever libsndfile reads (WAV, FLAC, OGG/Vorbis, Opus, MP3 from libsndfile 1.1, which soundfile's
-  wheels bundle); anything else is "not audio".
+- formats: WAV (PCM, float, u-law, A-law), FLAC, OGG (Vorbis, Opus) and MP3, decided by the file's first bytes
+  (`container`) before libsndfile sees it, and libsndfile's reading of the header must agree (its format and
+  encoding among those): every other parser of that C library (AIFF, CAF, W64, RF64, ADPCM, ...) stays out of
+  reach. Anything else is "not audio".
+- the header bounds the work before any sample is decoded (`Header`): at most 8 channels (7.1), a rate of
+  8 kHz to 192 kHz (below, 750 soft tokens from a few bytes; above, no recording), at most `max_seconds`.
+- several channels: downmixed, the mean of the channels, as `librosa.load(mono=True)`, block by block while
+  decoding, so the clip is never held with all its channels: the peak is the mono clip at its own rate (at most
+  23 MB: 30 s at 192 kHz in float32) and one block.
 - another sample rate: resampled to 16 kHz by soxr at its default (HQ) quality, as `librosa.load(sr=16000)`
   does (its default resampler is soxr_hq).
-- several channels: downmixed, the mean of the channels, as `librosa.load(mono=True)`; never refused.
 - integer PCM: read as float32 in [-1, 1) (int16 / 32768), as librosa reads it through soundfile.
-- too long: refused above `max_seconds` (30 s by default), checked from the header before decoding.
-  transformers' extractor instead truncates silently at 30 s (its max_length of 480,000 samples), and 30 s is
-  also its processor's cap of 750 soft tokens.
+- too long: refused above `max_seconds` (30 s by default), checked from the header before decoding (no more
+  than the header's frames are read). transformers' extractor instead truncates silently at 30 s (its
+  max_length of 480,000 samples), and 30 s is also its processor's cap of 750 soft tokens.
+- a path: a regular file of at most MAX_FILE_BYTES (a FIFO or a device is refused, never waited on or read).
 - too short: a clip needs 161 samples (10 ms) for one mel frame, and so one soft token; shorter is refused.
 - silent: a clip whose peak is below one 16-bit step (2^-15) is refused: the encoder would see only the log of
   the mel floor, and the model would be asked about nothing.
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from ..files import open_regular
 
 SAMPLE_RATE = 16_000
 FRAME_LENGTH = 320  # 20 ms analysis window
@@ -47,6 +55,19 @@ MAX_SOFT_TOKENS = 750  # the processor's audio_seq_length: 30 s at 40 ms a token
 SUBSAMPLING_LAYERS = 2  # the encoder's stride-2 convolutions over time (kernel 3, padding 1)
 SILENCE = 2.0**-15  # one step of 16-bit PCM
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # OpenAI's `input_audio.format` names (wav and mp3) and more
+# What libsndfile may make of each container (its major format, then its encodings): the header it parsed must
+# agree with the first bytes, and only these decoders run.
+DECODERS = {
+    "wav": ({"WAV", "WAVEX"}, {"PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOUBLE", "ULAW", "ALAW"}),
+    "flac": ({"FLAC"}, {"PCM_S8", "PCM_16", "PCM_24"}),
+    "ogg": ({"OGG"}, {"VORBIS", "OPUS"}),
+    "mp3": ({"MP3"}, {"MPEG_LAYER_I", "MPEG_LAYER_II", "MPEG_LAYER_III"}),
+}
+MIN_RATE, MAX_RATE = 8_000, 192_000  # telephone speech to the highest studio rate
+MAX_CHANNELS = 8  # 7.1 surround
+BLOCK_FRAMES = 1 << 15  # decoded at a time: 1 MiB at 8 channels
+# a local file: the longest clip at the limits, 64-bit samples, with room for a header and metadata
+MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 
 
 class AudioError(InputError):
@@ -73,41 +94,134 @@ def _resample(x: np.ndarray, rate: int) -> np.ndarray:
     return soxr.resample(x, rate, SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)
 
 
+def container(head: bytes) -> str | None:
+    """The audio container a file's first 12 bytes announce ("wav", "flac", "ogg", "mp3"), or None."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    # an ID3 tag, or an MPEG audio frame: 11 sync bits, then a version and a layer that are not reserved
+    if head[:3] == b"ID3" or len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06:
+        return "mp3"
+    return None
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a clip's header states, within the bounds (the module doc): its container, rate, channels, frames."""
+
+    kind: str
+    rate: int
+    channels: int
+    frames: int
+
+    @property
+    def samples(self) -> int:
+        """Samples at 16 kHz once resampled, never more than soxr makes (it rounds; this floors)."""
+        return self.frames * SAMPLE_RATE // self.rate
+
+    @property
+    def soft_tokens(self) -> int:
+        """The clip's soft tokens as its header states it: what a prompt's length is checked with before the clip
+        is decoded (a damaged header may state more than the data holds, never a longer clip than is decoded)."""
+        return soft_tokens(self.samples)
+
+
+def probe_audio(src, what: str = "audio", max_seconds: float = MAX_SECONDS) -> Header:
+    """The header of `src` (a path or a file's bytes), checked as load_audio checks it, without decoding a sample."""
+    with _opened(src, what) as (f, name, kind):
+        return _header(f, kind, name, max_seconds)
+
+
 def load_audio(src, what: str = "audio", max_seconds: float = MAX_SECONDS) -> np.ndarray:
     """`src` (a path, a file's bytes, or float samples already at 16 kHz mono) as float32 samples at 16 kHz,
     mono; the module doc says what happens to awkward input. Errors name `what`, and the path when there is one."""
-    is_path = isinstance(src, (str, os.PathLike))
-    name = f"{what} {os.fspath(src)}" if is_path else what
     if isinstance(src, np.ndarray):
         if src.ndim != 1 or not np.issubdtype(src.dtype, np.floating):
-            raise AudioError(f"{name}: expected 1-D float samples at 16 kHz, got {src.dtype} of shape {src.shape}")
-        return _checked(src.astype(np.float32, copy=False), name, max_seconds)
-    if not (is_path or isinstance(src, (bytes, bytearray, memoryview))):
-        raise AudioError(f"{name}: expected a path, bytes or a numpy array, not {type(src).__name__}")
-    sf = _soundfile()
-    try:
-        fh = open(src, "rb") if is_path else io.BytesIO(bytes(src))
-    except OSError as e:  # the file system's answer: no such file, a directory, no permission
-        raise AudioError(f"{name}: {e.strerror or _one_line(e)}") from None
-    with fh:
-        try:
-            with sf.SoundFile(fh) as f:
-                rate, channels, frames = f.samplerate, f.channels, f.frames
-                if rate <= 0 or channels <= 0:
-                    raise AudioError(f"{name}: corrupt header ({rate} Hz, {channels} channels)")
-                if frames / rate > max_seconds:
-                    raise AudioError(f"{name}: {frames / rate:.1f} s long; the limit is {max_seconds:g} s")
-                x = f.read(dtype="float32", always_2d=True)
-        except AudioError:
-            raise
-        except sf.LibsndfileError:
-            raise AudioError(f"{name}: not audio (or in a format libsndfile cannot read)") from None
-        except Exception as e:  # corrupt data past a good header surfaces as RuntimeError, ValueError, ...
-            raise AudioError(f"{name}: corrupt ({type(e).__name__}: {_one_line(e)})") from None
-    x = x.mean(axis=1, dtype=np.float32) if x.shape[1] > 1 else x[:, 0]
-    if rate != SAMPLE_RATE and len(x):
-        x = _resample(x, rate)
+            raise AudioError(f"{what}: expected 1-D float samples at 16 kHz, got {src.dtype} of shape {src.shape}")
+        return _checked(src.astype(np.float32, copy=False), what, max_seconds)
+    with _opened(src, what) as (f, name, kind):
+        header = _header(f, kind, name, max_seconds)
+        x = _decode(f, header)
+    if header.rate != SAMPLE_RATE and len(x):
+        x = _resample(x, header.rate)
     return _checked(x, name, max_seconds)
+
+
+class _opened:
+    """`with _opened(src, what) as (soundfile, name, container)`: a path (a regular file, MAX_FILE_BYTES at most)
+    or bytes opened by libsndfile once their first bytes name one of the four containers; libsndfile's errors,
+    then and while decoding, as one-line AudioErrors naming the clip."""
+
+    def __init__(self, src, what: str):
+        is_path = isinstance(src, (str, os.PathLike))
+        if not (is_path or isinstance(src, (bytes, bytearray, memoryview))):
+            raise AudioError(f"{what}: expected a path, bytes or a numpy array, not {type(src).__name__}")
+        self.name = f"{what} {os.fspath(src)}" if is_path else what
+        self.fh = open_regular(src, MAX_FILE_BYTES, AudioError, self.name) if is_path else io.BytesIO(bytes(src))
+        self.f = None
+
+    def __enter__(self):
+        sf = _soundfile()
+        try:
+            kind = container(self.fh.read(12))
+            if kind is None:
+                raise AudioError(f"{self.name}: not audio (WAV, FLAC, OGG or MP3, by its first bytes)")
+            self.fh.seek(0)
+            self.f = sf.SoundFile(self.fh)
+        except AudioError:
+            self.fh.close()
+            raise
+        except Exception as e:
+            self.fh.close()
+            raise self._error(e) from None
+        return self.f, self.name, kind
+
+    def __exit__(self, kind, e, tb):
+        self.f.close()
+        self.fh.close()
+        if e is not None and not isinstance(e, AudioError) and isinstance(e, Exception):
+            raise self._error(e) from None
+
+    def _error(self, e: Exception) -> AudioError:
+        if isinstance(e, _soundfile().LibsndfileError):
+            return AudioError(f"{self.name}: not audio (or in a format libsndfile cannot read)")
+        # corrupt data past a good header surfaces as RuntimeError, ValueError, ...
+        return AudioError(f"{self.name}: corrupt ({type(e).__name__}: {_one_line(e)})")
+
+
+def _header(f, kind: str, name: str, max_seconds: float) -> Header:
+    formats, encodings = DECODERS[kind]
+    if f.format not in formats or f.subtype not in encodings:
+        found = f"{f.format} ({f.subtype})"
+        raise AudioError(f"{name}: {found} is not among the formats read (WAV, FLAC, OGG Vorbis or Opus, MP3)")
+    rate, channels, frames = f.samplerate, f.channels, f.frames
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise AudioError(f"{name}: {rate} Hz; the sample rate must be {MIN_RATE} to {MAX_RATE} Hz")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise AudioError(f"{name}: {channels} channels; at most {MAX_CHANNELS} are read")
+    if frames / rate > max_seconds:
+        raise AudioError(f"{name}: {frames / rate:.1f} s long; the limit is {max_seconds:g} s")
+    return Header(kind, rate, channels, frames)
+
+
+def _decode(f, header: Header) -> np.ndarray:
+    """The clip as float32 mono at its own rate, decoded BLOCK_FRAMES at a time and each block downmixed into the
+    clip as it comes (a row's mean does not depend on the rows beside it: the same bits as the whole clip's mean).
+    soundfile reads no more of a seekable file than its header's frames, which _header bounded: the clip's buffer
+    is allocated once, and a file shorter than its header says is cut where its data ends."""
+    x = np.empty(header.frames, np.float32)
+    block = np.empty((BLOCK_FRAMES, header.channels), np.float32)
+    done = 0
+    while done < header.frames:
+        got = f.read(out=block)
+        if not len(got):
+            break
+        np.mean(got, axis=1, dtype=np.float32, out=x[done : done + len(got)])
+        done += len(got)
+    return x[:done]
 
 
 def _checked(x: np.ndarray, name: str, max_seconds: float) -> np.ndarray:
@@ -126,7 +240,7 @@ def _checked(x: np.ndarray, name: str, max_seconds: float) -> np.ndarray:
 
 def input_audio_bytes(part, what: str = "input_audio") -> bytes:
     """The bytes of an OpenAI `input_audio` content part's object, `{"data": BASE64, "format": "wav"}`. The
-    format is checked against the names OpenAI uses; the decoder then reads the bytes by their content."""
+    format is checked against the names OpenAI uses, and must be the container the bytes begin with."""
     if not isinstance(part, dict):
         raise AudioError(f"{what}: expected an object with data and format, not {type(part).__name__}")
     data, fmt = part.get("data"), part.get("format")
@@ -134,7 +248,13 @@ def input_audio_bytes(part, what: str = "input_audio") -> bytes:
         raise AudioError(f"{what}.data: expected a base64 string, not {type(data).__name__}")
     if fmt not in INPUT_AUDIO_FORMATS:
         raise AudioError(f"{what}.format: {fmt!r} is not one of {', '.join(INPUT_AUDIO_FORMATS)}")
-    return _b64(data, f"{what}.data", "")
+    out = _b64(data, f"{what}.data", "")
+    kind = container(out[:12])
+    if kind is None:
+        raise AudioError(f"{what}.data: not audio (WAV, FLAC, OGG or MP3, by its first bytes)")
+    if kind != fmt:
+        raise AudioError(f"{what}.format: {fmt!r}, but the data is {kind.upper()}")
+    return out
 
 
 def _b64(data: str, what: str, subject: str) -> bytes:

@@ -11,8 +11,6 @@ Torch-free: this is the runtime side.
 
 from __future__ import annotations
 
-import logging
-import platform
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,21 +18,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..bundle import layout
-from ..bundle.check import chunk_paths
 from ..bundle.errors import BundleError
 from ..bundle.interfaces import Interface, one_function_interfaces, read_interfaces
-from ..bundle.schema import read_model_config
+from ..bundle.ladder import rung_function, rungs_of, split_rung
+from ..bundle.opened import Bundle
 from ..bundle.tables import check_norm_sidecar, check_rope, load_host
-from ..errors import DeviceError
+from .device import COMPUTE_UNITS, BackendError, Device
 from .engine import Engine, FunctionUnavailable
-
-log = logging.getLogger(__name__)
-BACKENDS = ("auto", "coreml", "mil")
-COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "all": "ALL"}
-
-
-class BackendError(BundleError, DeviceError):
-    """A backend that cannot be opened here, or a chunk it cannot run; the message says which."""
+from .ladder import ladder_of
 
 
 class ChunkBackend(Protocol):
@@ -46,13 +37,16 @@ class ChunkBackend(Protocol):
     - `load(function)`: make a function ready to run. `infer` is ready once the backend is open;
       the others (CONTRACT §3: optional) may be loaded on first use, and a device that cannot load
       one raises FunctionUnavailable;
-    - `make_state()`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
-      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk;
+    - `make_state(function)`: a fresh, zeroed state that every function of the chunk shares (Core ML lets
+      `infer` and `prefill_b8` write one KV cache), or None for a stateless chunk; `function` ("infer" unless
+      a context ladder's rung is meant: `ctx{C}_infer`) decides its shapes;
     - `predict(function, inputs, state)`: run one function; inputs are numpy arrays by name in any
       float/int dtype (the backend casts them to the declared ones); returns numpy arrays by name;
     - `read_state(state, name)` / `write_state(state, name, array)`: one state's contents as a
       numpy array of its declared dtype, and back (Core ML: `MLState.read_state/write_state`,
-      coremltools >= 9), for snapshots of the caches.
+      coremltools >= 9), for snapshots of the caches;
+    - `release(functions)`: forget those loaded functions (a ladder's rung left behind), whose wired weights
+      a device then frees.
     """
 
     name: str
@@ -60,13 +54,15 @@ class ChunkBackend(Protocol):
 
     def load(self, function: str) -> None: ...
 
-    def make_state(self) -> Any: ...
+    def make_state(self, function: str = "infer") -> Any: ...
 
     def predict(self, function: str, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
 
     def read_state(self, state: Any, name: str) -> np.ndarray: ...
 
     def write_state(self, state: Any, name: str, array: np.ndarray) -> None: ...
+
+    def release(self, functions: list[str]) -> None: ...
 
 
 def cast_inputs(interface: Interface, inputs: dict) -> dict:
@@ -93,8 +89,8 @@ class MILBackend:
     def load(self, function: str) -> None:
         function_of(self, function)  # the executor loaded every function with the package
 
-    def make_state(self):
-        return self.package.make_state()
+    def make_state(self, function: str = "infer"):
+        return self.package.functions[function].make_state() if function_of(self, function)["states"] else None
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         io = function_of(self, function)
@@ -105,6 +101,15 @@ class MILBackend:
 
     def write_state(self, state, name: str, array: np.ndarray) -> None:
         state.arrays[name][...] = array
+
+    def release(self, functions: list[str]) -> None:
+        """Nothing to free: the executor's functions share one copy of the weights, loaded with the package."""
+
+
+def smallest_infer(interfaces: dict[str, Interface]) -> str:
+    """The infer function of a chunk's smallest rung (bundle.ladder): `infer` itself unless it carries a ladder."""
+    rungs = rungs_of(interfaces)
+    return rung_function("infer", rungs[0], rungs[-1])
 
 
 def open_mlmodel(path: Path, units, function: str):
@@ -136,18 +141,23 @@ class CoreMLBackend:
         self.name, self.compute_units = path.name.split(".")[0], compute_units
         self.interfaces = read_interfaces(path)
         self.units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
+        # a context ladder starts on its smallest rung: only that rung's infer is loaded (each loaded function
+        # wires its own copy of the weights)
+        first = smallest_infer(self.interfaces)
         if path.suffix == ".mlpackage":
-            # Opening an .mlpackage compiles it. Compile once (loading `infer`, which lives as long
-            # as this backend), then open every other function from that one compiled model, so
-            # they share one state as in a multifunction model, and nothing is compiled twice.
-            model, error = open_mlmodel(path, self.units, "infer")
+            # Opening an .mlpackage compiles it. Compile once (loading `first`), then open every other
+            # function from that one compiled model, so they share one state as in a multifunction
+            # model, and nothing is compiled twice.
+            model, error = open_mlmodel(path, self.units, first)
             if error is not None:
-                raise BackendError(f"{path}: function 'infer' cannot be loaded on {compute_units}: {error}")
-            self.compiled, self.models = model.get_compiled_model_path(), {"infer": model}
+                raise BackendError(f"{path}: function {first!r} cannot be loaded on {compute_units}: {error}")
+            # the compiled model lives in a directory that goes with this first model: kept for the backend's
+            # life (`opened`), even once a ladder's climb releases its function
+            self.compiled, self.models, self.opened = model.get_compiled_model_path(), {first: model}, model
         else:
             self.compiled, self.models = str(path), {}
             try:
-                self.load("infer")
+                self.load(first)
             except FunctionUnavailable as e:
                 raise BackendError(str(e)) from None
 
@@ -164,8 +174,11 @@ class CoreMLBackend:
                 ) from None
             self.models[function] = model
 
-    def make_state(self):
-        return self.models["infer"].make_state() if self.interfaces["infer"]["states"] else None
+    def make_state(self, function: str = "infer"):
+        if not function_of(self, function)["states"]:
+            return None
+        self.load(function)
+        return self.models[function].make_state()
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         feed = cast_inputs(function_of(self, function), inputs)
@@ -178,6 +191,10 @@ class CoreMLBackend:
 
     def write_state(self, state, name: str, array: np.ndarray) -> None:
         state.write_state(name, np.asarray(array, np.float32))  # the bridge takes no fp16 arrays
+
+    def release(self, functions: list[str]) -> None:
+        for function in functions:
+            self.models.pop(function, None)
 
 
 class CoreMLFunction:
@@ -214,39 +231,22 @@ class CoreMLFunction:
         return self.model.predict(cast_inputs(self.interfaces[function], inputs))
 
 
-def open_one_function(
-    root: Path, name: str, function: str, what: str, backend: str, precision: str, compute_units: str
-):
-    """A bundle's one-function model `name` (assistant, vision), as its .mlpackage or compiled .mlmodelc, run by
-    the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
-    found = layout.model_paths(root, name)
+def open_one_function(bundle: Bundle, name: str, function: str, what: str, device: Device):
+    """A bundle's one-function model `name` (assistant, vision, audio), as its .mlpackage or compiled .mlmodelc, run
+    by the MIL executor or Core ML (loaded on first use there). `what` says who states it, for the message."""
+    found = layout.model_paths(bundle.root, name)
     if not found:
-        raise BundleError(f"{layout.package_path(root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
-    if pick_backend(backend) == "mil":
-        return MILBackend(found[0], precision)
-    return CoreMLFunction(found[0], name, compute_units, one_function_interfaces(found[0], name, function))
+        raise BundleError(f"{layout.package_path(bundle.root, name)}: missing ({layout.MODEL_CONFIG} states {what})")
+    if device.backend == "mil":
+        return MILBackend(found[0], device.precision)
+    return CoreMLFunction(found[0], name, device.compute_units, one_function_interfaces(found[0], name, function))
 
 
-def pick_backend(backend: str) -> str:
-    """`auto` is Core ML on macOS and the MIL executor elsewhere (and says which it picked)."""
-    if backend not in BACKENDS:
-        raise BackendError(f"backend={backend!r}: choose {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = "coreml" if platform.system() == "Darwin" else "mil"
-        log.info("backend: %s (%s)", backend, "Core ML" if backend == "coreml" else "MIL executor")
-    if backend == "coreml" and platform.system() != "Darwin":
-        # said in words both a CLI user (--backend mil) and a Python caller (backend="mil") act on
-        raise BackendError("backend coreml: Core ML prediction needs macOS; choose backend mil (the MIL executor)")
-    return backend
-
-
-def open_chunks(
-    paths: list[Path], backend: str, precision: str = "fp16", compute_units: str = "cpu_and_ne"
-) -> list[ChunkBackend]:
-    """One backend per chunk package, in order; `backend` is "mil" or "coreml" (see pick_backend)."""
-    if backend == "mil":
-        return [MILBackend(p, precision) for p in paths]
-    return [CoreMLBackend(p, compute_units) for p in paths]
+def open_chunks(paths: list[Path], device: Device) -> list[ChunkBackend]:
+    """One backend per chunk package, in order, on `device`."""
+    if device.backend == "mil":
+        return [MILBackend(p, device.precision) for p in paths]
+    return [CoreMLBackend(p, device.compute_units) for p in paths]
 
 
 def carried_together(chunks: list[ChunkBackend]) -> None:
@@ -258,7 +258,7 @@ def carried_together(chunks: list[ChunkBackend]) -> None:
     stateful = [c for c in chunks if c.interfaces["infer"]["states"]]
     optional = dict.fromkeys(f for c in chunks for f in c.interfaces if f != "infer")
     for function in optional:
-        needs = chunks if function.startswith("verify_b") else stateful
+        needs = chunks if split_rung(function)[1].startswith("verify_b") else stateful
         lacking = [c.name for c in needs if function not in c.interfaces]
         if not lacking:
             continue
@@ -275,31 +275,29 @@ def carried_together(chunks: list[ChunkBackend]) -> None:
         )
 
 
-def open_engine(
-    root: str | Path,
-    backend: str = "mil",
-    precision: str = "fp16",
-    compute_units: str = "cpu_and_ne",
-    logits_dtype=np.float32,
-    exact_rope: bool = True,
-) -> Engine:
-    """The step driver over a bundle: its chunks run by `backend` ("mil", "coreml" or "auto"), its
-    sidecars read by the host. Everything about the chunks (context, window, prompt paths, head) is
-    read off the models themselves, so bundles converted elsewhere open too."""
-    root = Path(root)
-    config = read_model_config(root)
+def open_engine(bundle: Bundle, device: Device, logits_dtype=np.float32, exact_rope: bool = True) -> Engine:
+    """The step driver over an opened bundle: its chunks run on `device`, its sidecars read by the host. Everything
+    about the chunks (context, window, prompt paths, head) is read off the models themselves, so bundles converted
+    elsewhere open too."""
+    root, config = bundle.root, bundle.config.raw
     check_norm_sidecar(root, config)
     # model_config.json states the chunks of any other layout than the published three (schema.TextConfig.of)
-    expected = len(config.get("chunks", ())) or 3
-    paths = chunk_paths(root)
-    if len(paths) != expected:
+    expected = len(bundle.config.text.chunks or ()) or 3
+    if len(bundle.chunks) != expected:
         last = layout.chunk_name(expected - 1)
-        raise BundleError(f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(paths)} chunks")
-    chunks = open_chunks(paths, pick_backend(backend), precision, compute_units)
+        raise BundleError(
+            f"{root}: expected chunk_1..{last} ({layout.MODEL_CONFIG}), found {len(bundle.chunks)} chunks"
+        )
+    chunks = open_chunks(bundle.chunks, device)
     carried_together(chunks)
+    # a context ladder's engine starts on its smallest rung (runtime.ladder)
+    ladder = ladder_of(chunks)
+    if ladder is not None:
+        chunks = ladder.chunks(ladder.contexts[0])
     # a ring padded for verify batches is wider than the window, which only the config states
+    window = bundle.config.text.sliding_window
     try:
-        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=config.get("sliding_window"))
+        engine = Engine.from_chunks(chunks, load_host(root, config), logits_dtype, window=window, ladder=ladder)
     except ValueError as e:  # chunks wired in an order the engine cannot drive
         raise BundleError(f"{root}: {e}") from None
     check_rope(root, engine.host, engine.context, exact_rope)

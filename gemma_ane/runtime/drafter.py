@@ -17,16 +17,17 @@ Torch-free: this is the runtime side.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
 from ..bundle import BundleError, layout
 from ..bundle.host import full_mask, sliding_mask
+from ..bundle.opened import Bundle
 from ..bundle.plan import kv_name
 from ..bundle.spec import FULL, SLIDING
 from ..bundle.tables import HostTables, RowTable, read_small
 from .backend import open_one_function
+from .device import Device
 from .sampling import Proposal
 
 FUNCTION = "draft"
@@ -76,6 +77,7 @@ class Drafter:
         if missing:
             raise BundleError(f"{package.name}: {FUNCTION} has no {missing[0]!r}, which {layout.MODEL_CONFIG} implies")
         self.widths = {t: io["inputs"][MASKS[t]]["shape"][-1] for t in self.producers}  # ring slots, context
+        self.kv_rows = {n: io["inputs"][n]["shape"][2] for n in self.kv_names}
 
     def step(self, token: int, carry: np.ndarray, position: int, kv: dict) -> tuple[Proposal, np.ndarray]:
         """One draft for the token at `position`: carry is the target's final-norm hidden state at position - 1
@@ -85,7 +87,11 @@ class Drafter:
             # internal: the runtime drafts after the prompt (P >= 1) and only where a verify call fits (P < context)
             raise ValueError(f"draft position {P}: must lie in [1, context {self.widths[FULL]})")
         x = {"embedding": self.host.embed([token])[0], "carry": np.asarray(carry, np.float32).reshape(1, 1, -1)}
-        x.update((n, kv[n]) for n in self.kv_names)
+        for n in self.kv_names:
+            # a context ladder's smaller rung hands on shorter full caches: `draft` takes the top rung's, whose
+            # rows past the rung's end (zeros here) the mask hides
+            a, rows = np.asarray(kv[n]), self.kv_rows[n]
+            x[n] = a if a.shape[2] == rows else np.pad(a, ((0, 0), (0, 0), (0, rows - a.shape[2]), (0, 0)))
         for t in self.producers:
             if t == SLIDING:  # the W+1 newest positions up to P-1, in a ring of `widths` slots
                 x[MASKS[t]] = sliding_mask(P - 1, 1, self.window + 1, np.float32, ring=self.widths[t])
@@ -100,23 +106,20 @@ class Drafter:
         return Proposal(np.arange(self.vocab), logits, None, self.vocab), carry
 
 
-def open_drafter(
-    root: str | Path, backend: str, precision: str, compute_units: str, host: HostTables, config: dict
-) -> Drafter | None:
+def open_drafter(bundle: Bundle, device: Device, host: HostTables) -> Drafter | None:
     """The bundle's drafter, or None when model_config.json states no assistant. `draft` loads at the first step
     (FunctionUnavailable there when the device refuses it: the runtime then decodes without drafts)."""
-    if "assistant" not in config:
+    a, root = bundle.config.assistant, bundle.root
+    if a is None:
         return None
-    root = Path(root)
-    package = open_one_function(root, "assistant", FUNCTION, "an assistant", backend, precision, compute_units)
-    a = config["assistant"]
+    package = open_one_function(bundle, "assistant", FUNCTION, "an assistant", device)
     head = None
-    if a["num_centroids"]:
-        V, Ha = config["vocab_size"], a["hidden_size"]
+    if a.num_centroids:
+        V, Ha = bundle.config.text.vocab_size, a.hidden_size
         ordering = read_small(root / layout.ASSISTANT_TOKEN_ORDERING, "<i4", (V,))
         if not np.array_equal(np.sort(ordering), np.arange(V)):
             raise BundleError(f"{root / layout.ASSISTANT_TOKEN_ORDERING}: not a permutation of the {V} token ids")
         scales = read_small(root / layout.ASSISTANT_EMBED_SCALES, "<f2", (V,)).astype(np.float32) / 127
         rows = RowTable(root / layout.ASSISTANT_EMBED_Q8, np.int8, (V, Ha))
-        head = CentroidHead(rows, scales, ordering, a["num_centroids"], a["centroid_top_k"])
-    return Drafter(package, host, config, head)
+        head = CentroidHead(rows, scales, ordering, a.num_centroids, a.centroid_top_k)
+    return Drafter(package, host, bundle.config.raw, head)

@@ -25,18 +25,19 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from ..bundle import BundleError, layout, load_npy
 from ..bundle.host import MASK_BLOCKED
+from ..bundle.opened import Bundle
 from ..bundle.schema import audio_function
 from ..errors import InputError
 from . import audio
 from .audio import AudioError, input_audio_bytes, load_audio
-from .backend import open_one_function, pick_backend
+from .backend import open_one_function
+from .device import Device
 from .engine import ContextOverflow
 from .images import MAX_PIXELS, ImageError, Patches, data_url_bytes, load_image, preprocess
 
@@ -300,53 +301,48 @@ class AudioEncoder(CachingEncoder):
         return out[0, : features.soft_tokens]
 
 
-def open_image_encoder(
-    root: str | Path, backend: str, precision: str, compute_units: str, config: dict, max_pixels: int = MAX_PIXELS
-):
+def open_image_encoder(bundle: Bundle, device: Device, max_pixels: int = MAX_PIXELS):
     """The bundle's image encoder (taking images of at most max_pixels), or None when model_config.json states no
     vision model."""
     if max_pixels < 1:
         raise InputError(f"max_image_pixels={max_pixels}: must be >= 1")
-    entry = config.get("vision")
-    if entry is None:
+    vision = bundle.config.vision
+    if vision is None:
         return None
-    root = Path(root)
-    package = open_one_function(root, "vision", FUNCTION, "a vision model", backend, precision, compute_units)
-    path = root / entry["position_table"]
+    package = open_one_function(bundle, "vision", FUNCTION, "a vision model", device)
+    path = bundle.root / vision.position_table
     table = load_npy(path)
     width = package.interfaces[FUNCTION]["inputs"]["position_embeddings"]["shape"][-1]
-    need = (2, entry["image_tokens"] * entry["pooling_kernel_size"], width)
+    need = (2, vision.image_tokens * vision.pooling_kernel_size, width)
     if table.shape != need:
         raise BundleError(f"{path}: shape {table.shape}, expected {need} (x and y rows the budget reaches)")
-    return ImageEncoder(package, table, entry, max_pixels)
+    return ImageEncoder(package, table, bundle.config.raw["vision"], max_pixels)
 
 
-def open_audio_encoder(root: str | Path, backend: str, precision: str, compute_units: str, config: dict):
+def open_audio_encoder(bundle: Bundle, device: Device):
     """The bundle's audio encoder, or None when model_config.json states no audio model. Every bucket's function
     must be in the package with the bucket's input shape. The MIL executor loads a package's functions together
     (one copy of the weights); Core ML loads one function per model, so each bucket gets its own."""
-    entry = config.get("audio")
+    entry = bundle.config.audio
     if entry is None:
         return None
-    root, buckets = Path(root), entry["buckets"]
+    buckets = entry.buckets
     functions = [audio_function(frames, buckets) for frames in buckets]
-    first = open_one_function(root, "audio", functions[-1], "an audio model", backend, precision, compute_units)
-    shared = pick_backend(backend) == "mil"
+    first = open_one_function(bundle, "audio", functions[-1], "an audio model", device)
+    shared = device.backend == "mil"
     packages = {
-        f: first
-        if shared or f == functions[-1]
-        else open_one_function(root, "audio", f, "an audio model", backend, precision, compute_units)
+        f: first if shared or f == functions[-1] else open_one_function(bundle, "audio", f, "an audio model", device)
         for f in functions
     }
     for frames, f in zip(buckets, functions):
         io = first.interfaces.get(f)
         shape = io and io["inputs"].get("input_features", {}).get("shape")
-        if shape is None or list(shape) != [1, frames, entry["mel_bins"]]:
+        if shape is None or list(shape) != [1, frames, entry.mel_bins]:
             raise BundleError(
-                f"{root}: the audio model has no function {f!r} taking (1, {frames}, {entry['mel_bins']}) features "
-                f"({layout.MODEL_CONFIG}'s audio.buckets states a bucket of {frames} frames)"
+                f"{bundle.root}: the audio model has no function {f!r} taking (1, {frames}, {entry.mel_bins}) "
+                f"features ({layout.MODEL_CONFIG}'s audio.buckets states a bucket of {frames} frames)"
             )
-    return AudioEncoder(packages, entry)
+    return AudioEncoder(packages, bundle.config.raw["audio"])
 
 
 # -- prompts with media ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ tests prove about the scheduling and the cache rules holds for every backend.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from ..bundle.host import full_mask, kv_sliding_mask, sliding_mask
 from ..bundle.spec import FULL, SLIDING
 from ..bundle.tables import HostTables
 from ..errors import BundleError, DeviceError, GemmaAneError, InputError
+from .ladder import Crossing, Ladder
 from .tokens import PAD
 
 
@@ -85,6 +87,7 @@ class Engine:
         kv_ple_width: int | None = None,
         logits_dtype=np.float32,
         ring: int | None = None,
+        ladder: Ladder | None = None,
     ):
         self.chunks, self.host = chunks, host
         self.body = [i for i, c in enumerate(chunks) if c.interfaces["infer"]["states"]]
@@ -94,7 +97,12 @@ class Engine:
                 f"chunks {', '.join(c.name for c in chunks)}: the stateful chunks must come first and the last "
                 "must be stateless (it holds the head)"
             )
-        self.context, self.window, self.prefill_batch = context, window, prefill_batch
+        self.window, self.prefill_batch = window, prefill_batch
+        # `rung`: the context the chunks run now; `context`: the most positions this engine holds, the top of a
+        # context ladder (runtime.ladder), which it climbs as a session grows, never down within one
+        self.ladder, self.rung = ladder, context
+        self.context = ladder.top if ladder else context
+        self.crossings: list[Crossing] = []  # every climb so far, oldest first
         # slots of the sliding caches: the window, or more in bundles that verify drafts (spec.ring_slots)
         self.ring = ring or window
         verify = [f for f in chunks[0].interfaces if f.startswith("verify_b")]
@@ -113,9 +121,17 @@ class Engine:
         self.reset()
 
     @classmethod
-    def from_chunks(cls, chunks: list, host: HostTables, logits_dtype=np.float32, window: int | None = None) -> Engine:
+    def from_chunks(
+        cls,
+        chunks: list,
+        host: HostTables,
+        logits_dtype=np.float32,
+        window: int | None = None,
+        ladder: Ladder | None = None,
+    ) -> Engine:
         """An engine whose geometry (context, ring, prompt paths) is read off chunk_1's functions; the
-        window is the ring unless given (model_config.json's sliding_window: a padded ring is wider)."""
+        window is the ring unless given (model_config.json's sliding_window: a padded ring is wider).
+        With a `ladder`, `chunks` are one of its rungs'."""
         functions = chunks[0].interfaces
         first = functions["infer"]["inputs"]
         ring = first["causal_mask_sliding"]["shape"][-1]
@@ -131,6 +147,7 @@ class Engine:
             kv_batches=tuple(kv),
             kv_ple_width=functions[f"prefill_kv_b{kv[0]}"]["inputs"]["per_layer_raw"]["shape"][-1] if kv else None,
             logits_dtype=logits_dtype,
+            ladder=ladder,
         )
 
     def reset(self) -> None:
@@ -143,6 +160,44 @@ class Engine:
         self.ring_top = -1  # the newest position written into the rings (past the position: rejected drafts)
         self.shared_kv: dict[str, np.ndarray] = {}  # the producers' caches after the last call (the drafter's)
         self.final_hidden = None  # the head's final-norm hidden state of the last token it ran (the drafter's)
+
+    # -- the context ladder ---------------------------------------------------------------------------
+    def _climb(self, positions: int) -> None:
+        """Before a call that fills the caches up to `positions`: onto the smallest rung that holds them, when
+        the current one does not (CONTRACT §3a), carrying the caches over."""
+        if self.ladder is not None and self.rung < positions <= self.context:
+            self._switch(self.ladder.rung_for(positions), carry=True)
+
+    def _start(self, positions: int) -> None:
+        """Before fresh caches are filled with `positions` tokens (a new session): the smallest rung that holds
+        them, up or down; the caches are empty, so nothing is carried."""
+        if self.ladder is not None and self.ladder.rung_for(positions) != self.rung:
+            self._switch(self.ladder.rung_for(positions), carry=False)
+
+    def _switch(self, context: int, carry: bool) -> None:
+        """Run the rung of `context` from now on: load its infer functions, make its states and (carry) copy in
+        the written prefix of every context-sized cache and the rings as they are, then release the rung left.
+        Nothing changes if any of it fails."""
+        t0 = time.perf_counter()
+        chunks = self.ladder.chunks(context)
+        t1 = time.perf_counter()
+        states = [c.make_state() for c in chunks]
+        if carry:
+            for old, new, was, now in zip(self.chunks, chunks, self.states, states):
+                for name in new.interfaces["infer"]["states"] if now is not None else ():
+                    a = old.read_state(was, name)
+                    if name != RING:  # slot = position: rows past the position are masked, never read
+                        b = new.read_state(now, name)
+                        b[:, :, : self.position] = a[:, :, : self.position]
+                        a = b
+                    new.write_state(now, name, a)
+        t2 = time.perf_counter()
+        for c in self.chunks:
+            c.release()
+        if carry:
+            self.crossings.append(Crossing(self.rung, context, self.position, t1 - t0, t2 - t1))
+        self.chunks, self.states, self.rung = chunks, states, context
+        self.loaded = {"infer"}
 
     def _predict(self, i: int, function: str, inputs: dict) -> dict:
         return self.chunks[i].predict(function, inputs, self.states[i])
@@ -166,7 +221,7 @@ class Engine:
         x = {
             "hidden_states": h,
             "per_layer_raw": ple,
-            "causal_mask_full": full_mask(p0, T, self.context, np.float32),
+            "causal_mask_full": full_mask(p0, T, self.rung, np.float32),
             "causal_mask_sliding": sliding_mask(p0, T, self.window, np.float32, ring=self.ring),
             "current_pos": np.array([p0], np.int32),
             "ring_pos": np.array([p0 % self.ring], np.int32),
@@ -273,6 +328,7 @@ class Engine:
             # internal: the runtime pads its drafts to verify_batch ids
             raise ValueError(f"verify_b{self.verify_batch} takes {self.verify_batch} ids, got {len(ids)}")
         function, p = f"verify_b{self.verify_batch}", self.position
+        self._climb(p + len(ids))
         try:
             if function not in self.loaded:
                 for chunk in self.chunks:
@@ -323,7 +379,7 @@ class Engine:
                     (
                         T
                         for T in self.kv_batches
-                        if p % T == 0 and T <= n - i - 1 and p + T <= self.context and p % self.ring + T <= self.ring
+                        if p % T == 0 and T <= n - i - 1 and p + T <= self.rung and p % self.ring + T <= self.ring
                     ),
                     None,
                 )
@@ -337,7 +393,7 @@ class Engine:
             elif (
                 B
                 and B > 1
-                and batch_is_exact(p, B, self.window, self.context, self.ring)
+                and batch_is_exact(p, B, self.window, self.rung, self.ring)
                 and (n - i - 1 >= B or logits == "all" and n - i >= B)
             ):
                 steps.append((f"prefill_b{B}", B))
@@ -454,6 +510,8 @@ class Engine:
         prefix that the very steps of a fresh run computed is reused (`fresh_prefix`)."""
         ids = [int(t) for t in ids]
         kept = self.reuse(ids, self.fresh_prefix(ids, marks) if exact else None)
+        if kept == 0:
+            self._start(len(ids))
         stops = sorted({m for m in marks if kept < m < len(ids)} | {len(ids)})
         for stop in stops:
             logits = self.feed(
@@ -501,6 +559,7 @@ class Engine:
         `top`: what `ring_top_at` said of those rings; unknown, the worst case is assumed (a verify
         batch's rejected drafts past the position), which with a drafter keeps `reuse` from
         rewinding into them: the cached prompt itself would be reused from 0."""
+        self._start(len(tokens))
         self.reset()
         for chunk, state, arrays in zip(self.chunks, self.states, caches):
             for name, a in arrays.items():
@@ -541,6 +600,7 @@ class Engine:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.position + len(ids) > self.context:
             raise ContextOverflow(f"{self.position + len(ids)} tokens exceed the context of {self.context}")
+        self._climb(self.position + len(ids))
         try:
             return self._feed(ids, logits, cancelled)
         except Cancelled:  # raised between batches: the caches hold exactly the tokens fed

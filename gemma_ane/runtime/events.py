@@ -24,6 +24,8 @@ class Stats:
     # verified
     acceptance_rate: float = 0.0
     tokens_per_verify: float = 0.0
+    # a context ladder's climbs during this generation (runtime.ladder.Crossing.describe): rung, position, cost
+    crossings: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .tokens import (
     TOOL_RESPONSE_OPEN,
     token_bytes,
 )
-from .tools import MAX_DEPTH, too_deep
+from .tools import MAX_DEPTH, parallel_calls, too_deep
 
 WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 
@@ -134,8 +134,36 @@ def response_grammar(response_format, *, thinking: bool = False) -> str | None:
     if too_deep(schema):
         raise GrammarError(f"{param}: nested more than {MAX_DEPTH} deep", param=param)
     options = {"whitespace_pattern": WHITESPACE, "lenient": not strict}
-    body = json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    body = json.dumps({**bounded_numbers(schema), "x-guidance": options}, ensure_ascii=False)
     return _checked(_start("answer", thinking) + f"answer: %json {body}\n", param)
+
+
+# llguidance's JSON numbers are as long as the model likes: a schema's numbers get the bounds JSON mode's have
+# (16 digits), where it states none of its own. Decimals can only be bounded with multipleOf, and llguidance takes
+# no step finer than 1e-10 (a float's own digits): numbers of a schema have at most 10 decimals and no exponent.
+MAX_INTEGER = 10**16 - 1
+DECIMAL_STEP = 1e-10
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not schemas: never rewritten
+
+
+def bounded_numbers(schema):
+    """`schema` with every node typed integer or number bounded to at most 16 digits (and a number's decimals to
+    10) where it has no bound of its own on that side."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _NOT_SCHEMAS else bounded_numbers(v) for k, v in schema.items()}
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if "integer" in types or "number" in types:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_INTEGER
+        if "number" in types and "multipleOf" not in out:
+            out["multipleOf"] = DECIMAL_STEP
+    return out
 
 
 def request_grammar(tools, choice: str, parallel: bool, response_format, *, thinking: bool = False) -> str | None:
@@ -143,7 +171,7 @@ def request_grammar(tools, choice: str, parallel: bool, response_format, *, thin
     "required" or a function's name, else the response format's; None for free text."""
     if choice in ("auto", "none"):
         return response_grammar(response_format, thinking=thinking)
-    return tool_call_grammar(tools, choice, parallel, thinking=thinking)
+    return tool_call_grammar(tools, choice, parallel_calls(choice, parallel), thinking=thinking)
 
 
 # -- forced tool calls ------------------------------------------------------------------------------

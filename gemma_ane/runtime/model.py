@@ -11,18 +11,17 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from ..bundle import BundleError, check_bundle, layout, read_model_config
-from ..bundle.schema import is_token, read_bundle_json
+from ..bundle import BundleError, layout, open_bundle
 from ..errors import InputError
 from . import grammar, prompt_cache
 from .audio import AudioError
-from .backend import open_engine, pick_backend
+from .backend import open_engine
 from .chat import (
     ChatTemplate,
     OutputParser,
@@ -33,12 +32,15 @@ from .chat import (
     escape_strings,
     unused_mark,
 )
+from .device import Device
 from .drafter import open_drafter
 from .encoder import expand_media, media_sources, open_audio_encoder, open_image_encoder
 from .engine import MAX_SNAPSHOTS, Cancelled, ContextOverflow, Engine, FunctionUnavailable
 from .events import Event, Result, Stats
+from .hf_files import read_generation_config, read_template, read_tokenizer
 from .images import MAX_PIXELS, ImageError
-from .sampling import BAN, FIELDS, GENERATION_CONFIG_FIELDS, GrammarMask, Sampler, SamplingError, SamplingParams
+from .request import Capabilities, GenerationRequest, Prepared, Rule, check_argmax_head, choice_seed
+from .sampling import Sampler, SamplingParams
 from .tokens import (
     BOS,
     EOS,
@@ -50,7 +52,7 @@ from .tokens import (
     TURN_CLOSE,
     ControlTokens,
 )
-from .tools import check_tool_choice, check_tools, prepare_messages
+from .tools import check_tool_choice, check_tools, parallel_calls, prepare_messages
 
 
 class Step(NamedTuple):
@@ -59,32 +61,6 @@ class Step(NamedTuple):
 
     token: int
     logits: np.ndarray
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a bundle can do, asked in one place (Model.prepare)."""
-
-    logits: bool  # chunk_3 returns logits; False: the published layout's argmax head (greedy only, no constraints)
-    vision: bool  # it has an image encoder
-    max_draft_tokens: int  # the most drafts a verify call checks; 0: no drafter
-
-
-@dataclass
-class Request:
-    """One generation checked and tokenized by Model.prepare; Model.stream_generate(request=...) runs it. Used
-    once: its grammar's state follows one output."""
-
-    ids: list[int]  # the prompt, each image one placeholder (expanded when it runs)
-    marks: list[int]  # turn ends: where the engine snapshots its rings
-    sources: list  # the media, in their placeholders' order
-    params: SamplingParams
-    stop: list[str]
-    tools: list | None
-    parallel_tool_calls: bool
-    rule: _Rule  # what may be drawn: the grammar, logit_bias's bans and tool_choice "none"'s
-    drafts: int  # drafts a verify call; 0: plain decoding
-    max_tokens: int
 
 
 @dataclass
@@ -185,15 +161,29 @@ class Model:
         tools: list | None = None,
     ) -> list[int]:
         """The prompt's ids. A raw prompt is the caller's own formatting, control tokens included."""
+        return self._prompt_ids(prompt, messages, raw, enable_thinking, system, check_tools(tools) if tools else tools)
+
+    def _prompt_ids(self, prompt, messages, raw: bool, enable_thinking: bool, system, tools) -> list[int]:
+        """prompt_ids with `tools` checked already (prepare checks them once)."""
         if messages is None and raw:
             if prompt is None:
                 raise InputError("give a prompt or messages")
             if system or tools:
                 raise InputError("a raw prompt has no chat template, so it cannot take a system prompt or tools")
+            if isinstance(prompt, list):  # token ids (OpenAI's completions take them): the prompt as given, no <bos>
+                return self._token_ids(prompt)
             return [self.config.get("bos_token_id", BOS)] + self.encode(prompt, "prompt")
         check_text(prompt, "prompt")
         check_text(system, "system")
-        return self.chat_ids(_conversation(prompt, messages, system), True, enable_thinking, tools)
+        return self._chat_ids(_conversation(prompt, messages, system), True, enable_thinking, tools)
+
+    def _token_ids(self, ids: list) -> list[int]:
+        vocab = self.config["vocab_size"]
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if not ids or bad is not None:
+            found = "an empty list" if not ids else repr(bad)
+            raise InputError(f"prompt: token ids must be integers from 0 to {vocab - 1}, found {found}")
+        return list(ids)
 
     def chat_ids(
         self, messages: list, add_generation_prompt: bool = True, enable_thinking: bool = False, tools=None
@@ -201,10 +191,14 @@ class Model:
         """The ids of `messages` (and the declarations of `tools`) rendered by the chat template. The
         template's control tokens count; the text of user and tool messages, of tool declarations and
         of call arguments stays text, whatever it spells, unless allow_special_tokens is set."""
+        tools = check_tools(tools) if tools is not None else None
+        return self._chat_ids(messages, add_generation_prompt, enable_thinking, tools)
+
+    def _chat_ids(self, messages: list, add_generation_prompt: bool, enable_thinking: bool, tools) -> list[int]:
+        """chat_ids with `tools` checked already."""
         check_text(messages, "messages")
         check_text(tools, "tools")
         check_nesting(messages)
-        tools = check_tools(tools) if tools is not None else None
         messages = prepare_messages(messages)
         if self.allow_special_tokens:
             text = self.template.render(messages, add_generation_prompt, enable_thinking, tools)
@@ -261,47 +255,35 @@ class Model:
         """What this bundle can do, asked in one place (prepare) for every generation."""
         return Capabilities(self.head == "logits", self.images is not None, self.max_draft_tokens)
 
-    def prepare(
-        self,
-        prompt=None,
-        messages=None,
-        *,
-        max_tokens: int = 256,
-        stop=None,
-        raw: bool = False,
-        enable_thinking: bool = False,
-        system: str | None = None,
-        tools: list | None = None,
-        tool_choice="auto",
-        parallel_tool_calls: bool = True,
-        response_format: dict | None = None,
-        draft_tokens: int | None = None,
-        **sampling,
-    ) -> Request:
-        """One generation checked and tokenized, every check made, the template rendered once and the grammar
-        compiled once: what stream_generate runs (its arguments are these; see there). The server prepares a
-        request before it queues, so the worker only runs it. Errors: SamplingError, StopError, ToolError,
-        GrammarError, ChatError, ImageError (images for a bundle without a vision model), ValueError. A prompt
-        longer than the context is refused when it runs, once its images are expanded (len(ids) counts one
-        placeholder an image)."""
-        caps = self.capabilities
+    def prepare(self, request=None, messages=None, **kw) -> Prepared:
+        """One generation checked and tokenized, every check made once, the template rendered once and the grammar
+        compiled once: what stream_generate runs. `request`: a GenerationRequest, or the prompt, with `messages`
+        and the keywords of stream_generate (see there). The server prepares a request before it queues, so the
+        worker only runs it. Errors: SamplingError, StopError, ToolError, GrammarError, ChatError, ImageError and
+        AudioError (media for a bundle without their model), ValueError. A prompt longer than the context is
+        refused when it runs, once its media are expanded (len(ids) counts one placeholder a picture or clip)."""
+        if not isinstance(request, GenerationRequest):
+            request = GenerationRequest.of(request, messages, **kw)
+        elif messages is not None or kw:
+            raise InputError("give a GenerationRequest or a prompt and its options, not both")
+        r, caps = request, self.capabilities
         params = SamplingParams.from_generation_config(
-            self.generation, vocab_size=self.config["vocab_size"], **sampling
+            self.generation, vocab_size=self.config["vocab_size"], **r.sampling
         )
-        if not caps.logits and (params.temperature != 0.0 and params.top_k != 1 or params.logit_bias):
-            raise SamplingError(
-                "this bundle's chunk_3 returns only the argmax token (published layout): "
-                "sampling and logit_bias are not possible; use temperature=0",
-                param="logit_bias" if params.logit_bias else "temperature",
-            )
-        stop = check_stop(stop)
-        tools = check_tools(tools) if tools is not None else None
-        rule = self._rule(tools, tool_choice, parallel_tool_calls, response_format, enable_thinking, params.logit_bias)
-        drafts = self._drafts(draft_tokens, rule.constraint)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InputError(f"max_tokens={max_tokens!r}: expected a non-negative integer")
-        ids = self.prompt_ids(prompt, messages, raw=raw, enable_thinking=enable_thinking, system=system, tools=tools)
-        conversation = [] if raw and messages is None else _conversation(prompt, messages, system)
+        stop = check_stop(r.stop)
+        tools = check_tools(r.tools) if r.tools is not None else None
+        # a named choice is one call; required and auto follow parallel_tool_calls (tools.parallel_calls)
+        r = replace(
+            r, parallel_tool_calls=parallel_calls(check_tool_choice(r.tool_choice, tools), r.parallel_tool_calls)
+        )
+        text, rule = self._rule(tools, r, params, caps)  # a grammar the argmax head cannot follow: named first
+        if not caps.logits:
+            check_argmax_head(params)
+        drafts = self._drafts(r.draft_tokens, rule.constraint, caps)
+        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 0:
+            raise InputError(f"max_tokens={r.max_tokens!r}: expected a non-negative integer")
+        ids = self._prompt_ids(r.prompt, r.messages, r.raw, r.enable_thinking, r.system, tools)
+        conversation = [] if r.raw and r.messages is None else _conversation(r.prompt, r.messages, r.system)
         marks = self.turn_ends(conversation, ids) if conversation else []
         sources = media_sources(conversation)
         for kind, where, _ in sources:  # refused here, before a server queues it, not once it runs
@@ -309,10 +291,22 @@ class Model:
                 raise ImageError(f"{where}: this bundle has no vision model (converted without one)")
             if kind == "audio" and self.audio is None:
                 raise AudioError(f"{where}: this bundle has no audio model (converted without one)")
-        return Request(ids, marks, sources, params, stop, tools, parallel_tool_calls, rule, drafts, max_tokens)
+        return Prepared(
+            ids, marks, sources, params, stop, tools, r.parallel_tool_calls, rule, drafts, r.max_tokens, text, r
+        )
+
+    def choice(self, prepared: Prepared, index: int) -> Prepared:
+        """Choice `index` of a request of n: the same prompt and checks, the seed after the request's
+        (choice_seed), and a grammar state of its own (compiled again from the first's text)."""
+        if index == 0:
+            return prepared
+        rule = prepared.rule
+        if rule.constraint is not None:
+            rule = Rule(self._compile(prepared.grammar_text), rule.logit_bias, rule.choice, rule.vocab, rule.bans)
+        return prepared.with_choice(choice_seed(prepared.params.seed, index), rule)
 
     def stream_generate(
-        self, prompt=None, messages=None, *, request: Request | None = None, cancelled=None, **kw
+        self, prompt=None, messages=None, *, request: Prepared | None = None, cancelled=None, **kw
     ) -> Iterator[Event]:
         """Generate from a prompt or messages, one Event per token, then a last Event with the Stats.
 
@@ -320,10 +314,12 @@ class Model:
         declarations, rendered by the chat template; the calls the model makes come back on Event.tool_calls,
         and a turn that ends in calls finishes with "tool_calls". tool_choice: "auto", "none" (the model cannot
         open a call), "required" or a function's name (the output is forced to be calls, by constrained
-        decoding). response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also
-        enforced by constrained decoding. draft_tokens: speculative decoding with the bundle's drafter, K drafts
-        per verify call (default: `self.draft_tokens`; 0 off). Greedy output is the plain greedy output token for
-        token; sampled output follows the same distribution. Constrained generations decode one token at a time.
+        decoding; a named function is called once, "required" and "auto" follow parallel_tool_calls).
+        response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema", ...}, also enforced by
+        constrained decoding. prompt: text, or with raw=True a list of token ids (as given). draft_tokens:
+        speculative decoding with the bundle's drafter, K drafts per verify call (default: `self.draft_tokens`;
+        0 off). Greedy output is the plain greedy output token for token; sampled output follows the same
+        distribution. Constrained generations decode one token at a time.
         The sampling fields (sampling.FIELDS) as keywords. request: one `prepare` made, instead of all these.
         cancelled: a callable asked during the prompt's processing (between its steps and prefill batches); once
         it returns true, Cancelled is raised, so a caller that has gone stops costing host time before the first
@@ -334,7 +330,7 @@ class Model:
             raise InputError("give a prepared request or a prompt and its options, not both")
         yield from self._run(request, cancelled)
 
-    def _run(self, request: Request, cancelled) -> Iterator[Event]:
+    def _run(self, request: Prepared, cancelled) -> Iterator[Event]:
         """The generation `request` describes: its media encoded, the prompt processed, then the layers: the steps
         of plain or speculative decoding (sibling generators of Steps), detokenized and parsed here into Events,
         with the Stats last (as mlx-lm's generate_step / speculative_generate_step under stream_generate, under
@@ -349,6 +345,7 @@ class Model:
         if len(ids) > self.context:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context of {self.context}")
         parser = OutputParser(self.tokenizer, request.stop, tools=request.tools)
+        climbed = len(self.engine.crossings)
         # a seeded answer must not depend on what ran before: its prompt reuses only what a fresh run computes alike
         reused, logits = self.engine.prompt(ids, marks, cancelled=cancelled, exact=params.seed is not None)
         # the penalties count text tokens (an image's keys are no vocabulary ids)
@@ -360,8 +357,7 @@ class Model:
             else self._generate_step(logits, sampler)
         )
         generated, finish, t_first = 0, None, None
-        # the published head returns the chosen id only: no distribution to report
-        report = params.logprobs is not None and self.capabilities.logits
+        report = params.logprobs is not None  # prepare refused it for the published head (no distribution)
         try:
             for token, logits in steps if max_tokens else ():
                 t_first = t_first or time.perf_counter()
@@ -408,6 +404,7 @@ class Model:
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
             acceptance_rate=spec.accepted / spec.drafted if spec.drafted else 0.0,
             tokens_per_verify=spec.emitted / spec.calls if spec.calls else 0.0,
+            crossings=[c.describe() for c in self.engine.crossings[climbed:]],
         )
 
     def _generate_step(self, logits, sampler: Sampler) -> Iterator[Step]:
@@ -496,15 +493,15 @@ class Model:
     def use_drafts(self, k: int) -> None:
         """Speculative decoding with k drafts a verify call for every generation that does not say otherwise
         (the CLI's and the server's --draft); 0 turns it off. A ValueError when this bundle cannot."""
-        self._drafts(k, None)
+        self._drafts(k, None, self.capabilities)
         self.draft_tokens = k
 
-    def _drafts(self, draft_tokens, constraint) -> int:
+    def _drafts(self, draft_tokens, constraint, caps: Capabilities) -> int:
         """Drafts per verify call for this generation (0: plain decoding)."""
         k = self.draft_tokens if draft_tokens is None else draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise InputError(f"draft_tokens={k!r}: expected a non-negative integer")
-        most = self.capabilities.max_draft_tokens
+        most = caps.max_draft_tokens
         if k and not most and not self.drafts_unavailable:
             if self.drafter is not None:  # converted with --functions (or --profile) leaving verify out
                 raise InputError(f"draft_tokens={k}: this bundle's chunks carry no verify function to check drafts")
@@ -514,27 +511,36 @@ class Model:
         # constrained decoding masks each draw by the grammar's state, which drafts would have to roll back
         return 0 if constraint is not None or self.drafter is None else k
 
-    def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool):
-        """The grammar this generation must follow, if any: forced calls, or the response format."""
-        text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
+    def _constraint(self, tools, choice, parallel: bool, response_format, thinking: bool, logits: bool):
+        """The grammar this generation must follow, if any (forced calls, or the response format): (its text, its
+        Constraint), or (None, None)."""
+        field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for a grammar
+        try:
+            text = grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
+        except grammar.GrammarError as e:  # without a param: llguidance is missing, and what asked for it is named
+            raise grammar.GrammarError(str(e), param=e.param or field) from None
         if text is None:
-            return None
-        if not self.capabilities.logits:
-            field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for a grammar
+            return None, None
+        if not logits:
             why = "constrained decoding needs logits; this bundle's head returns only the chosen token"
             raise grammar.GrammarError(f"{field}: {why}", param=field)
+        return text, self._compile(text)
+
+    def _compile(self, text: str):
         tokenizer = self.root / layout.HF_TOKENIZER
         return grammar.Constraint(text, tokenizer, self.config["vocab_size"], sorted(self.stop_ids))
 
-    def _rule(self, tools, tool_choice, parallel: bool, response_format, thinking: bool, logit_bias) -> _Rule:
-        """What this generation may draw (`tools` already checked): its grammar compiled, tool_choice "none"'s
-        ban, logit_bias's; refused (see _Rule.check_start) when that leaves no first token."""
-        choice = check_tool_choice(tool_choice, tools)
-        constraint = self._constraint(tools, choice, parallel, response_format, thinking)
+    def _rule(self, tools, r: GenerationRequest, params: SamplingParams, caps: Capabilities) -> tuple:
+        """(the grammar's text, what this generation may draw) (`tools` already checked): its grammar compiled,
+        tool_choice "none"'s ban, logit_bias's; refused (see Rule.check_start) when that leaves no first token."""
+        choice = check_tool_choice(r.tool_choice, tools)
+        text, constraint = self._constraint(
+            tools, choice, r.parallel_tool_calls, r.response_format, r.enable_thinking, caps.logits
+        )
         bans = [TOOL_CALL_OPEN] if choice == "none" else []  # the model cannot open a call
-        rule = _Rule(constraint, logit_bias, choice, self.config["vocab_size"], bans)
+        rule = Rule(constraint, params.logit_bias, choice, self.config["vocab_size"], bans)
         rule.check_start()
-        return rule
+        return text, rule
 
     def _pick(self, sampler: Sampler, logits) -> int:
         if self.head != "logits":
@@ -555,46 +561,6 @@ class Model:
         for f in fields(Stats):
             setattr(r, f.name, getattr(ev, f.name))
         return r
-
-
-class _Rule:
-    """What may be drawn in one generation: the grammar's tokens (when there is one) less the tokens logit_bias and
-    `bans` ban (tool_choice "none" bans <|tool_call>), checked when the request is built; the sampler's processors
-    (`bans`, the `grammar()` mask) enforce it. An empty choice is refused, never a NaN or a forbidden draw."""
-
-    def __init__(self, constraint, logit_bias: dict | None, choice: str, vocab: int, bans=()):
-        self.constraint, self.vocab, self.choice = constraint, vocab, choice
-        self.bans = [int(t) for t in bans]
-        banned = {int(t) for t, b in (logit_bias or {}).items() if b == BAN} | set(self.bans)
-        self.banned = np.array(sorted(banned), np.int64)
-        self.field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asked for the grammar
-
-    def grammar(self) -> GrammarMask | None:
-        """The grammar's mask, the last logits processor of this generation's sampler, or None without a grammar."""
-        return None if self.constraint is None else GrammarMask(self.constraint, self.banned, self.no_token)
-
-    def check_start(self) -> None:
-        """Refuses a generation whose first draw would have no token, before anything runs."""
-        if self.constraint is None:
-            if len(self.banned) >= self.vocab:  # tool_choice "none" banned the one token logit_bias left
-                raise SamplingError(
-                    "logit_bias: it bans every token but <|tool_call>, which tool_choice 'none' bans",
-                    param="logit_bias",
-                )
-            return
-        if not any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed(self.banned)))):
-            raise self.no_token()
-
-    def no_token(self, steps: int = 0) -> ValueError:
-        """The error for a draw without a token after `steps` tokens: logit_bias's when it banned them all, else the
-        grammar's."""
-        where = f"after {steps} token{'s' * (steps > 1)}" if steps else "at the start"
-        if len(self.banned) and any(map(self.constraint.legal, np.flatnonzero(self.constraint.allowed()))):
-            what = f"{self.field} {self.choice!r}" if self.field == "tool_choice" else self.field
-            return SamplingError(f"logit_bias: it bans every token {what} allows {where}", param="logit_bias")
-        return grammar.GrammarError(
-            f"{self.field}: no token of this tokenizer can continue it {where}", param=self.field
-        )
 
 
 def _conversation(prompt, messages, system) -> list[dict]:
@@ -619,23 +585,17 @@ def load(
     root = Path(bundle)
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
-    problems = check_bundle(root, sha256=verify)
-    if problems:
-        more = len(problems) - 1
-        raise BundleError(
-            problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; see gemma-ane check)" if more else "")
-        )
-    backend = pick_backend(backend)
-    # logits_dtype=None: the sampler reads chunk_3's fp16 logits directly
-    engine = open_engine(root, backend, precision, compute_units, logits_dtype=None, exact_rope=exact_rope)
-    tokenizer = _tokenizer(root / layout.HF_TOKENIZER)
-    generation = _generation_config(root / layout.HF_GENERATION_CONFIG)
-    config = read_model_config(root)
-    drafter = open_drafter(root, backend, precision, compute_units, engine.host, config)
-    images = open_image_encoder(root, backend, precision, compute_units, config, max_image_pixels)
-    template = _template(root / layout.HF_DIR)
-    model = Model(root, engine, tokenizer, template, generation, config, backend, drafter, images)
-    model.audio = open_audio_encoder(root, backend, precision, compute_units, config)
+    opened = open_bundle(root, verify)  # checked, and model_config.json parsed, once
+    device = Device.of(backend, precision, compute_units)
+    # logits_dtype=None: the sampler reads the head chunk's fp16 logits directly
+    engine = open_engine(opened, device, logits_dtype=None, exact_rope=exact_rope)
+    tokenizer = read_tokenizer(opened.tokenizer)
+    generation = read_generation_config(opened.generation_config)
+    drafter = open_drafter(opened, device, engine.host)
+    images = open_image_encoder(opened, device, max_image_pixels)
+    template = read_template(opened.hf_dir)
+    model = Model(root, engine, tokenizer, template, generation, opened.config.raw, device.backend, drafter, images)
+    model.audio = open_audio_encoder(opened, device)
     return model
 
 
@@ -643,52 +603,4 @@ def bundle_tokenizer(bundle) -> object:
     """A bundle's tokenizer alone (`gemma-ane tokenize`), without loading its models."""
     root = Path(bundle)
     layout.chunk_paths(root)  # not a directory, a checkpoint: said as load says it
-    return _tokenizer(root / layout.HF_TOKENIZER)
-
-
-def _tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for any file it cannot parse
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BundleError(f"{path}: unreadable tokenizer ({reason})") from None
-
-
-def _generation_config(path: Path) -> dict:
-    """hf_model/generation_config.json (or {} without one), its fields checked here: used at every generation as
-    defaults under the caller's, a bad one would be blamed on a sampling parameter the caller never gave."""
-    if not path.is_file():
-        return {}
-    generation = read_bundle_json(path)
-    rules = {f.name: f for f in FIELDS if f.name in GENERATION_CONFIG_FIELDS}
-    for name, value in generation.items():
-        if name in rules and value is not None:
-            try:
-                rules[name].check(value)
-            except SamplingError as e:
-                raise BundleError(f"{path}: {e}") from None
-    eos = generation.get("eos_token_id", [])
-    if not all(is_token(e) for e in (eos if isinstance(eos, list) else [eos])):
-        raise BundleError(f"{path}: eos_token_id={eos!r:.40}: expected a token id or a list of token ids")
-    return generation
-
-
-def _template(hf: Path) -> ChatTemplate:
-    source = None
-    path = hf / "chat_template.jinja"
-    if path.is_file():
-        try:
-            source = path.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise BundleError(f"{path}: unreadable chat template ({e})") from None
-    cfg = {}
-    if (hf / "tokenizer_config.json").is_file():
-        cfg = read_bundle_json(hf / "tokenizer_config.json")
-        if source is None and isinstance(cfg.get("chat_template"), str):
-            source = cfg["chat_template"]
-    bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
-    return ChatTemplate(
-        source, bos_token=bos if isinstance(bos, str) else "<bos>", eos_token=eos if isinstance(eos, str) else "<eos>"
-    )
+    return read_tokenizer(root / layout.HF_TOKENIZER)

@@ -140,6 +140,13 @@ def _parsed(call, where: str):
     return {**call, "function": {**f, "arguments": arguments}}
 
 
+def parallel_calls(choice: str, parallel: bool) -> bool:
+    """Whether a turn may make more than one call. A named choice forces one call of that function (OpenAI's
+    wording; vLLM returns exactly one): called again and again, a caller that loops over tool_calls would run it
+    as often, and the turn would end on the token limit. "required" and "auto" follow parallel_tool_calls."""
+    return parallel and choice in ("auto", "none", "required")
+
+
 def check_tool_choice(choice, tools) -> str:
     """'auto', 'none', 'required' or a function's name, from the Python or the OpenAI spelling."""
     expected = "expected 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"

@@ -5,9 +5,10 @@ streamed) and fetch (remote images).
 
 One engine per process: the caches hold one conversation, so a single worker thread runs the
 generations one at a time, in arrival order, from a bounded queue (a full queue answers 429), and
-the model's prefix reuse carries from one request to the next. Requests are checked, tokenised and
-their grammar compiled before they queue (server_request.prepare, Model.prepare), so a bad one fails at
-once instead of after waiting its turn, and the worker only runs them.
+the model's prefix reuse carries from one request to the next. A body is parsed once into the runtime's
+GenerationRequest (server_request.parse_request); once the queue has room for it, Model.prepare checks it,
+renders it and compiles its grammar (server_request.prepare), so a bad one fails at once instead of after waiting
+its turn, and the worker only runs the Prepared it made (each of n choices from the one Prepared).
 
 Images come as OpenAI's image_url parts holding data: URLs; the server decodes the base64 once and checks each
 file's size and its header's pixel count (Pillow, the `vision` extra) before the request queues. Started with
@@ -30,6 +31,7 @@ import contextlib
 import dataclasses
 import errno
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -41,10 +43,11 @@ import uuid
 from pathlib import Path
 
 from ..errors import GemmaAneError, InputError, as_typed, option_strings
-from . import fetch
+from ..runtime.device import BACKENDS
+from . import fetch, page
 from .errors import APIError
 from .media import TEXT_BODY, ImageLimits, remote_urls
-from .request import parse_request, prepare
+from .request import decode_media, parse_request, prepare
 from .response import Generation, Render, Vocab, send_json
 from .worker import Job, Worker
 
@@ -132,7 +135,8 @@ class Origins:
     """CORS as a local server needs it: a request from a browser page (it carries Origin) is served only if
     its origin is allowed, with Access-Control-Allow-Origin; any other gets 403, so a page the user visits
     cannot make the model generate. Preflights (OPTIONS with Access-Control-Request-Method) of allowed
-    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before."""
+    origins are answered here. Requests without Origin (clients, scripts, curl) pass as before, and so do the
+    server's own chat page's (_same_origin)."""
 
     METHODS = "GET, POST, OPTIONS"
 
@@ -144,7 +148,7 @@ class Origins:
             return await self.app(scope, receive, send)
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
         origin = headers.get(b"origin")
-        if origin is None:
+        if origin is None or _same_origin(origin, scope.get("scheme", "http"), headers.get(b"host", "")):
             return await self.app(scope, receive, send)
         if "*" not in self.allowed and origin not in self.allowed:
             message = f"Origin {origin!r} is not allowed (serve --allow-origin ORIGIN opens the server to a page)"
@@ -168,8 +172,32 @@ class Origins:
         await self.app(scope, receive, send_with_cors)
 
 
+def _same_origin(origin: str, scheme: str, host: str) -> bool:
+    """A request from a page this server sent (the chat page): its Origin is the address the browser asked. Only
+    an address by IP or `localhost` counts: a name could be a DNS-rebinding attacker's own, resolving here."""
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1 : host.find("]")]
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        if name != "localhost":
+            return False
+    return origin == f"{scheme}://{host}"
+
+
 def _raw(headers: dict) -> list[tuple[bytes, bytes]]:
     return [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def capabilities(model) -> dict:
+    """What the served bundle can do (the model card's `capabilities`)."""
+    return {
+        "thinking": True,  # Gemma 4's template opens a thought on request
+        "tools": True,  # calls are parsed from the text the model writes
+        "vision": getattr(model, "images", None) is not None,
+        "audio": getattr(model, "audio", None) is not None,
+        "drafter": getattr(model, "max_draft_tokens", 0) > 0,
+        "sampling": model.head == "logits",  # the published layout's argmax head: greedy only
+    }
 
 
 def build_app(
@@ -185,6 +213,7 @@ def build_app(
     remote_images: bool = False,
     allow_fetch_from=(),
     allow_origins=(),
+    webui: bool = True,
 ):
     """The Starlette app serving `model` (anything with `stream_generate`, `prompt_ids` (given `tools=` only
     when a request has tools), `context`, `generation`, `config` (its `vocab_size`) and `tokenizer`, as
@@ -192,7 +221,7 @@ def build_app(
     `max_images` base64 images of `max_image_bytes` when the model takes images (in their image_url parts only);
     `remote_images`: fetch http(s) image URLs on public addresses and those `allow_fetch_from` names (off:
     refused); `allow_origins`: the browser origins whose pages may call it (CORS; "*" any), every other Origin
-    refused."""
+    refused; `webui`: the chat page on `/` (page.py)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -209,7 +238,7 @@ def build_app(
     max_body = limits.max_body(model) if max_body is None else max_body
     worker = Worker(model, max_queue)
     fetcher = fetch.Fetcher(fetch.Allowlist(limits.allow_fetch_from), max_image_bytes) if remote_images else None
-    vocab = Vocab(model.tokenizer, getattr(model, "stop_ids", ()))
+    vocab = Vocab(model.tokenizer, model.stop_ids)
     started = int(time.time())
 
     def authorize(request) -> None:
@@ -227,7 +256,15 @@ def build_app(
         )
 
     def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": started, "owned_by": "gemma-ane"}
+        # OpenAI's four fields, then what the bundle can do, for a client (the chat page) to offer only that
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "gemma-ane",
+            "context_length": model.context,
+            "capabilities": capabilities(model),
+        }
 
     async def models(request):
         authorize(request)
@@ -241,6 +278,15 @@ def build_app(
             )
         return JSONResponse(model_card())
 
+    def queue_full() -> APIError:
+        return APIError(
+            429,
+            f"the queue is full ({max_queue} requests waiting); retry shortly",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+
     def endpoint(kind: str, prefix: str):
         async def generate(request):
             authorize(request)
@@ -250,18 +296,20 @@ def build_app(
             urls = remote_urls(body, model, limits) if fetcher is not None and kind == "chat" else []
             fetched = await fetcher(urls) if urls else {}
             req = await run_in_threadpool(parse_request, body, kind, model, model_name, limits, fetched)
-            await run_in_threadpool(prepare, model, req)
+            # the queue before any work per request: a full one refuses it before its prompt is rendered
+            if not worker.admit():
+                raise queue_full()
+            try:
+                await run_in_threadpool(prepare, model, req)
+                # clips are decoded only for a request that fits the context and holds its place in the queue
+                await run_in_threadpool(decode_media, model, req)
+            except BaseException:
+                worker.release()
+                raise
             rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
             score = (req.prompt_ids, req.logprobs) if req.echo and req.logprobs is not None else None
-            job = Job(rid, req.kwargs, asyncio.get_running_loop(), req.choices, score)
-            if not worker.submit(job):
-                raise APIError(
-                    429,
-                    f"the queue is full ({max_queue} requests waiting); retry shortly",
-                    type="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                )
+            job = Job(rid, req.prepared, asyncio.get_running_loop(), req.n, score)
+            worker.run(job)
             return Generation(job, Render(req, rid, model_name, vocab))
 
         return generate
@@ -296,6 +344,7 @@ def build_app(
             Route("/v1/models/{name:path}", one_model, methods=["GET"]),
             Route("/v1/chat/completions", endpoint("chat", "chatcmpl"), methods=["POST"]),
             Route("/v1/completions", endpoint("completion", "cmpl"), methods=["POST"]),
+            *(page.routes() if webui else []),
         ],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
@@ -321,6 +370,8 @@ def serve(
     remote_images: bool = False,
     allow_fetch_from=(),
     allow_origins=(),
+    webui: bool = True,
+    served_model_name: str | None = None,
 ) -> None:
     """Load `bundle` and serve it until interrupted; `prompt_cache`: start from the caches in this
     file (made by `generate`/`chat --prompt-cache`), so a shared system prompt is not processed again;
@@ -334,6 +385,8 @@ def serve(
     if max_queue < 0:
         raise InputError(f"max_queue={max_queue}: must be >= 0")
     # checked before loading
+    if served_model_name is not None and not (0 < len(served_model_name) <= 256 and served_model_name.isprintable()):
+        raise InputError(f"--served-model-name {served_model_name!r:.60}: expected 1 to 256 printable characters")
     limits = ImageLimits(max_image_bytes, max_image_pixels, max_images, remote_images, tuple(allow_fetch_from))
     allow_origins = check_origins(allow_origins)
     _check_listen(host, port)
@@ -349,10 +402,11 @@ def serve(
         log.info("prompt cache %s: %d tokens", prompt_cache, model.load_prompt_cache(prompt_cache))
     app = build_app(
         model,
-        model_name=Path(bundle).resolve().name,
+        model_name=served_model_name or Path(bundle).resolve().name,
         api_key=api_key,
         max_queue=max_queue,
         allow_origins=allow_origins,
+        webui=webui,
         **dataclasses.asdict(limits),
     )
     # a stream still open at shutdown is cut after 5 s rather than holding the process
@@ -397,6 +451,8 @@ def _cmd_serve(a) -> int:
         remote_images=a.allow_remote_images,
         allow_fetch_from=a.allow_fetch_from,
         allow_origins=a.allow_origin,
+        webui=not a.no_webui,
+        served_model_name=a.served_model_name,
     )
     return 0
 
@@ -408,9 +464,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "coreml", "mil"],
+        choices=BACKENDS,
         help="coreml: Core ML (macOS); mil: our MIL executor (any OS, slower); auto: coreml where it runs, else mil",
     )
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="the model id clients see and send (default: the bundle's folder)"
+    )
+    p.add_argument("--no-webui", action="store_true", help="no chat page on / (then / is 404)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument(
         "--max-queue",

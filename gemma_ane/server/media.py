@@ -8,7 +8,7 @@ import io
 import sys
 
 from ..errors import InputError
-from ..runtime.audio import AudioError, input_audio_bytes, load_audio
+from ..runtime.audio import AudioError, input_audio_bytes, load_audio, probe_audio
 from ..runtime.images import MAX_PIXELS, ImageError, data_url_bytes, open_image
 from . import fetch
 from .errors import APIError
@@ -38,7 +38,7 @@ class ImageLimits:
     def max_body(self, model) -> int:
         """The default body limit: text, plus max_images files as base64 when the model takes images, plus
         MAX_AUDIOS clips' (audio_limit) when it takes audio."""
-        images = 0 if getattr(model, "images", None) is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
+        images = 0 if model.images is None else self.max_images * 4 * -(-self.max_image_bytes // 3)
         return TEXT_BODY + images + MAX_AUDIOS * 4 * -(-audio_limit(model) // 3)
 
 
@@ -54,7 +54,7 @@ def check_images(messages: list[dict], model, limits: ImageLimits, fetched: dict
     ]
     if not found:
         return
-    if getattr(model, "images", None) is None:
+    if model.images is None:
         where = found[0][2]
         raise APIError(400, f"{where}: this model takes no images (its bundle has no vision model)", param=where)
     if len(found) > limits.max_images:
@@ -98,15 +98,17 @@ AUDIO_HEADER = 65_536
 
 def audio_limit(model) -> int:
     """The largest audio file a request may send this model, in bytes: 0 when it has no audio model."""
-    encoder = getattr(model, "audio", None)
+    encoder = model.audio
     return 0 if encoder is None else int(encoder.max_seconds * AUDIO_BYTES_PER_SECOND) + AUDIO_HEADER
 
 
-def check_audios(messages: list[dict], model) -> None:
-    """Replaces each input_audio part by {"type": "audio", "audio": its samples (float32 at 16 kHz)}, decoded
-    once here by the runtime's reader (the runtime takes the samples as they are; its cache is keyed by their full
-    hash), once the request is within every limit: the model hears, the clips' count, where they stand, then each
-    file's format field, base64, size, and its sound (audio, not silent, no longer than the largest bucket)."""
+def check_audios(messages: list[dict], model) -> int:
+    """Checks each input_audio part, once the request is within every limit: the model hears, the clips' count,
+    where they stand, then each file's format field against its first bytes, base64, size, and its header (a
+    container and encoding read, the rate, the channels, no longer than the largest bucket), without decoding a
+    sample. Each part becomes {"type": "audio", "audio": the file's bytes}, for decode_audios once the request is
+    known to fit the context and the queue. Returns the tokens the clips add to the prompt, as their headers state
+    them: each clip's soft tokens and its begin and end tokens, in place of its one placeholder."""
     found = [
         (m["content"], i, j, f"messages[{i}].content[{j}]")
         for i, m in enumerate(messages)
@@ -115,8 +117,8 @@ def check_audios(messages: list[dict], model) -> None:
         if p["type"] == "input_audio"
     ]
     if not found:
-        return
-    encoder = getattr(model, "audio", None)
+        return 0
+    encoder = model.audio
     if encoder is None:
         where = found[0][3]
         raise APIError(400, f"{where}: this bundle has no audio model (converted without one)", param=where)
@@ -127,24 +129,43 @@ def check_audios(messages: list[dict], model) -> None:
         why = media_not_here(messages, i, "audio")
         if why:
             raise APIError(400, f"{where}: {why}; send audio in user messages", param=where)
-    limit = audio_limit(model)
+    limit, tokens = audio_limit(model), 0
     for content, _, j, where in found:
         try:
             data = input_audio_bytes(content[j].get("input_audio"), f"{where}.input_audio")
             if len(data) > limit:
                 message = f"{where}: the audio file is {len(data)} bytes, more than the limit of {limit}"
                 raise APIError(413, message, param=where, code="audio_too_large")
-            samples = load_audio(data, where, encoder.max_seconds)
+            tokens += probe_audio(data, where, encoder.max_seconds).soft_tokens + 1
         except AudioError as e:
             raise APIError(400, str(e), param=where) from None
-        content[j] = {"type": "audio", "audio": samples}
+        content[j] = {"type": "audio", "audio": data}
+    return tokens
+
+
+def decode_audios(prepared, model):
+    """Decodes each clip check_audios passed (bounded: runtime.audio) into float32 samples at 16 kHz, once, into a
+    prepared request's media (Model.prepare's `sources`; every choice of it shares them), so the worker gets the
+    samples as they are (the runtime's cache is keyed by their full hash). A clip whose data fails past its header
+    is a 400 naming its part."""
+
+    def samples(where: str, source):
+        if not isinstance(source, bytes):
+            return source
+        try:
+            return load_audio(source, where, model.audio.max_seconds)
+        except AudioError as e:
+            raise APIError(400, str(e), param=where) from None
+
+    sources = [(kind, where, samples(where, s) if kind == "audio" else s) for kind, where, s in prepared.sources]
+    return dataclasses.replace(prepared, sources=sources)
 
 
 def remote_urls(body: dict, model, limits: ImageLimits) -> list[str]:
     """The http(s) image URLs of a chat request to fetch before it is checked: none unless remote images are on,
     the model takes images and the request holds no more than max_images (it is refused otherwise)."""
     messages = body.get("messages")
-    if not limits.remote_images or getattr(model, "images", None) is None or not isinstance(messages, list):
+    if not limits.remote_images or model.images is None or not isinstance(messages, list):
         return []
     urls, images = [], 0
     for m in messages:

@@ -1,15 +1,17 @@
-"""The server's request parsing: every field of a chat or completion request checked for its type and range (a 400
-naming it), its media parts checked (gemma_ane.server.media), then `prepare`, which has the runtime build the request
-(Model.prepare) before it queues."""
+"""The server's request parsing: a chat or completion body parsed once into a runtime GenerationRequest (each
+field's JSON type checked, a 400 naming it; its media parts decoded and bounded by gemma_ane.server.media), then
+`prepare`, which has the runtime check and build it (Model.prepare: tools, sampling and the bundle's capabilities,
+each checked there once) before it queues; every error the runtime raises reaches the client through `error_of`."""
 
 from __future__ import annotations
 
-from ..runtime import grammar
-from ..runtime.chat import ChatError, StopError, check_stop
-from ..runtime.sampling import FIELDS, SamplingError, SamplingParams
-from ..runtime.tools import ToolError, check_tool_choice, check_tools
+from dataclasses import replace
+
+from ..errors import GemmaAneError
+from ..runtime.request import GenerationRequest, Prepared
+from ..runtime.sampling import FIELDS
 from .errors import APIError, error_of
-from .media import ImageLimits, check_audios, check_images
+from .media import ImageLimits, check_audios, check_images, decode_audios
 
 _JSON_NAMES = {
     bool: "a boolean",
@@ -36,7 +38,8 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
     return value
 
 
-def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dict]:
+def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> tuple[list[dict], int]:
+    """The checked messages, and the tokens their audio clips add to the prompt (check_audios)."""
     messages = _field(body, "messages", list)
     if not messages:
         raise APIError(400, "messages: expected a non-empty array of messages", param="messages")
@@ -63,8 +66,7 @@ def _messages(body: dict, model, limits: ImageLimits, fetched: dict) -> list[dic
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
     check_images(out, model, limits, fetched)
-    check_audios(out, model)
-    return out
+    return out, check_audios(out, model)
 
 
 def _part(part, where: str) -> dict:
@@ -109,13 +111,6 @@ def _tool_calls(calls, where: str) -> list:
     return calls
 
 
-def _stop(body: dict) -> list[str] | None:
-    try:
-        return [s for s in check_stop(body.get("stop")) if s] or None
-    except StopError as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
 def _max_tokens(body: dict, names: tuple[str, ...], default: int, least: int = 1) -> int:
     for name in names:
         value = _field(body, name, int)
@@ -157,28 +152,31 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise APIError(400, f"{name}: {why}", param=name)
 
 
-class Request:
-    """A validated generation request: what to pass to `stream_generate` and how to answer. `n` choices, each
-    run from its own `choices` entry (prepare fills them; the first is `kwargs`); `echo`: a completion's text
-    starts with its prompt (`prompt_text`), whose ids prepare keeps (`prompt_ids`, <bos> first)."""
+class APIRequest:
+    """One parsed request: the runtime's GenerationRequest (`generation`) and how to answer it: `n` choices (run
+    from one Prepared, `prepared`, which prepare makes), streamed or not, with usage, logprobs; `echo`: a
+    completion's text starts with its prompt, whose ids prepare keeps (`prompt_ids`, <bos> first)."""
 
     def __init__(
         self,
         kind: str,
-        kwargs: dict,
+        generation: GenerationRequest,
         stream: bool,
         include_usage: bool,
         logprobs: int | None,
         n: int = 1,
         echo: bool = False,
     ):
-        self.kind, self.kwargs, self.stream = kind, kwargs, stream
+        self.kind, self.generation, self.stream = kind, generation, stream
         self.include_usage, self.logprobs = include_usage, logprobs
         self.n, self.echo = n, echo
-        self.choices = [kwargs]
+        self.prepared: list[Prepared] = []  # one a prompt: a completion may send a batch (n choices each, in order)
+        self.prompts: list = [generation.prompt]
         self.prompt_tokens = 0
+        self.audio_tokens = 0  # what the audio clips add to the prompt, from their headers (check_audios)
         self.prompt_ids: list[int] = []
-        self.prompt_text = ""  # what echo repeats
+        self.prompt_text = generation.prompt if echo else ""  # what echo repeats
+        self.echo_from = 1  # the first of prompt_ids echo repeats: a text prompt's <bos> is the server's own
 
 
 MAX_N = 16  # choices in one request: each is a whole generation, run one after another
@@ -205,19 +203,11 @@ def _thinking(body: dict) -> bool:
     return _field(template_kwargs, "enable_thinking", bool, _field(body, "enable_thinking", bool, default))
 
 
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index`: the request's for the first, the next ones after it (wrapping within the
-    signed 64-bit range), so a seeded request with n > 1 reproduces every choice; None stays None."""
-    if seed is None:
-        return None
-    return (seed + index + 2**63) % 2**64 - 2**63
-
-
 def parse_request(
     body: dict, kind: str, model, model_name: str, limits: ImageLimits = ImageLimits(), fetched: dict | None = None
-) -> Request:
-    """Check every field's type and range, and the images against `limits` (nothing about the prompt's
-    length: that needs the tokenizer, see `prepare`). `fetched`: the files of `remote_urls(body)` by URL (None
+) -> APIRequest:
+    """The body parsed into an APIRequest: every field's JSON type, and the images against `limits` (nothing the
+    runtime checks: that is `prepare`'s). `fetched`: the files of `remote_urls(body)` by URL (None
     for a failed fetch), as a fetch.Fetcher returns them; a remote URL missing there counts as a failed fetch."""
     name = _field(body, "model", str)
     if name is not None and name != model_name:
@@ -232,121 +222,105 @@ def parse_request(
     n, echo = _n(body), _field(body, "echo", bool, False) if kind == "completion" else False
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
-    # the sampling fields as declared (logprobs, whose shape differs by endpoint, below)
+    # the sampling fields' JSON types (logprobs, whose shape differs by endpoint, below); their ranges: prepare's
     sampling = {
         f.name: _field(body, f.name, NUMBER if f.kind is float else f.kind) for f in FIELDS if f.name != "logprobs"
     }
-    kwargs = {"stop": _stop(body)}
+    audio_tokens = 0
     if kind == "chat":
-        kwargs["messages"] = _messages(body, model, limits, fetched or {})
-        kwargs["enable_thinking"] = _thinking(body)
-        kwargs.update(_tooling(body, model, kwargs["enable_thinking"]))
+        (messages, audio_tokens), thinking = _messages(body, model, limits, fetched or {}), _thinking(body)
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int)
         if top is not None and not want:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
         logprobs = (top or 0) if want else None
-        kwargs["max_tokens"] = _max_tokens(body, ("max_completion_tokens", "max_tokens"), model.context)
-        lp_param = "top_logprobs"
+        text = {"messages": messages, "enable_thinking": thinking, **_tooling(body)}
+        max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), model.context)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # the legacy API takes a batch; one prompt is all this server runs
-        if not isinstance(prompt, str):
-            raise APIError(400, "prompt: expected a string", param="prompt")
-        kwargs.update(prompt=prompt, raw=True)
+        prompts = _prompts(body, model)
+        if echo and len(prompts) > 1:
+            raise APIError(400, f"echo: one prompt a request (a batch of {len(prompts)} was given)", param="echo")
+        text = {"prompt": prompts[0], "raw": True}
         logprobs = _field(body, "logprobs", int)
         # with echo, max_tokens=0 asks for the prompt alone (its logprobs: what a loglikelihood evaluation reads)
-        kwargs["max_tokens"] = _max_tokens(body, ("max_tokens",), 16, least=0 if echo else 1)  # the API's default
-        lp_param = "logprobs"
-    sampling["logprobs"] = logprobs
-    if getattr(model, "head", "logits") != "logits":  # the published head: chunk_3 returns the argmax alone
-        for param, given in ((lp_param, logprobs), ("logit_bias", sampling["logit_bias"])):
-            if given is not None:
-                raise APIError(400, f"{param}: this bundle's head returns only the chosen token", param=param)
-    try:
-        params = SamplingParams.from_generation_config(
-            model.generation, vocab_size=model.config["vocab_size"], **sampling
-        )
-    except SamplingError as e:
-        if e.param == "logprobs":  # named as this endpoint's client spelled it
-            raise APIError(400, str(e).replace("logprobs=", f"{lp_param}=", 1), param=lp_param) from None
-        raise APIError(400, str(e), param=e.param) from None
-    sampling["logit_bias"] = params.logit_bias  # its ids as ints
-    kwargs.update(sampling)
-    if echo and logprobs is not None and not hasattr(model, "prompt_logprobs"):
-        raise APIError(400, "echo: this model cannot report its prompt's logprobs", param="echo")
-    req = Request(kind, kwargs, stream, include_usage, logprobs, n, echo)
-    req.prompt_text = kwargs["prompt"] if echo else ""
+        max_tokens = _max_tokens(body, ("max_tokens",), 16, least=0 if echo else 1)  # the API's default
+    generation = GenerationRequest(
+        **text,
+        max_tokens=max_tokens,
+        stop=body.get("stop"),
+        sampling={**sampling, "logprobs": logprobs},
+    )
+    req = APIRequest(kind, generation, stream, include_usage, logprobs, n, echo)
+    req.audio_tokens = audio_tokens
+    if kind == "completion":
+        req.prompts, req.n = prompts, n * len(prompts)
+        if echo and not isinstance(prompts[0], str):  # a prompt of ids is echoed whole, as its tokens' text
+            req.prompt_text, req.echo_from = model.tokenizer.decode(prompts[0], skip_special_tokens=False), 0
     return req
 
 
-def _tooling(body: dict, model, thinking: bool) -> dict:
-    """tools, tool_choice, parallel_tool_calls and response_format, checked as the runtime will use them, the
-    grammar they constrain the output to included (by Model.prepare, for a model that has it): a request that
-    cannot run is refused before it queues."""
-    parallel = _field(body, "parallel_tool_calls", bool, True)
-    response_format = _field(body, "response_format", dict)
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    try:
-        tools = None if tools is None else check_tools(tools)
-        choice = check_tool_choice("auto" if choice is None else choice, tools)
-        field = "response_format" if choice in ("auto", "none") else "tool_choice"  # what asks for a grammar
-        # a runtime Model compiles the grammar once, in prepare; a model without prepare has it checked here
-        prepares = getattr(model, "prepare", None) is not None
-        constrained = (
-            None if prepares else grammar.request_grammar(tools, choice, parallel, response_format, thinking=thinking)
-        )
-    except ToolError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except grammar.GrammarError as e:  # without a param: llguidance is missing
-        raise APIError(400, str(e), param=e.param or field) from None
-    if constrained and getattr(model, "head", "logits") != "logits":
-        raise APIError(
-            400,
-            f"{field}: constrained decoding needs logits; this bundle's head returns only the chosen token",
-            param=field,
-        )
-    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "response_format": response_format}
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def prepare(model, req: Request) -> None:
+def _prompts(body: dict, model) -> list:
+    """OpenAI's `prompt`: a string, a list of token ids, or a batch (a list) of either; each id in the vocabulary."""
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _token_ids(p) for p in prompts):
+        raise APIError(400, "prompt: expected a string, a list of token ids, or a list of either", param="prompt")
+    vocab = model.config["vocab_size"]
+    for i, p in enumerate(prompts):
+        bad = [] if isinstance(p, str) else [t for t in p if not 0 <= t < vocab]
+        if bad:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where}: token id {bad[0]} is not in the vocabulary (0..{vocab - 1})", param="prompt")
+    return prompts
+
+
+def _tooling(body: dict) -> dict:
+    """tools, tool_choice, parallel_tool_calls and response_format as the body gives them (prepare checks them and
+    the grammar they ask for, once)."""
+    choice = body.get("tool_choice")
+    return {
+        "tools": body.get("tools"),
+        "tool_choice": "auto" if choice is None else choice,
+        "parallel_tool_calls": _field(body, "parallel_tool_calls", bool, True),
+        "response_format": _field(body, "response_format", dict),
+    }
+
+
+def prepare(model, req: APIRequest) -> None:
     """The runtime's request built from `req` before it queues (Model.prepare: every check, the template rendered
-    once, the grammar compiled once), so the worker only runs it; its prompt's length in req.prompt_tokens. A
-    model without `prepare` (build_app's least contract) has its prompt counted by prompt_ids instead."""
-    kw, param = req.kwargs, "messages" if req.kind == "chat" else "prompt"
-    build = getattr(model, "prepare", None)
+    once, the grammar compiled once), so the worker only runs it (choice i of n: Model.choice, in the worker); its
+    prompt's length in req.prompt_tokens, refused here when it exceeds the context. Every error through error_of,
+    named as this endpoint's client spells the field."""
+    default = "messages" if req.kind == "chat" else "prompt"
     try:
-        if build is None:
-            tools = {"tools": kw["tools"]} if kw.get("tools") else {}  # a model without function calling takes none
-            names = ("prompt", "messages", "raw", "enable_thinking")
-            ids = model.prompt_ids(**{k: kw[k] for k in names if k in kw}, **tools)
-        else:
-            prepared = build(**kw)
-            ids, req.kwargs = prepared.ids, {"request": prepared}
-        req.choices = [req.kwargs] + [_choice(build, kw, i) for i in range(1, req.n)]
-    except ChatError as e:
-        raise APIError(400, str(e), param=e.param or param) from None  # TooDeep names the field; error_of agrees
-    except (ToolError, SamplingError) as e:  # a call's arguments that are no JSON object; bans that leave no token
-        raise APIError(400, str(e), param=e.param) from None
-    except grammar.GrammarError as e:  # the grammar this tokenizer cannot spell: what asked for it is named
-        field = "response_format" if kw.get("tool_choice", "auto") in ("auto", "none") else "tool_choice"
-        raise APIError(400, str(e), param=e.param or field) from None
-    except ValueError as e:  # images the bundle cannot take, a bundle that cannot sample: as the worker reports them
-        raise error_of(e) from None
-    if len(ids) > model.context:
+        req.prepared = [model.prepare(replace(req.generation, prompt=p)) for p in req.prompts]
+    except (ValueError, GemmaAneError) as e:
+        error = error_of(e)
+        if req.kind == "chat" and error.param == "logprobs":  # named as this endpoint's client spelled it
+            error.message, error.param = error.message.replace("logprobs", "top_logprobs", 1), "top_logprobs"
+        if error.status < 500:
+            error.param = error.param or default
+        raise error from None
+    ids = max((p.ids for p in req.prepared), key=len)  # the longest of a batch decides
+    n = len(ids) + req.audio_tokens  # audio counted from the headers: no clip is decoded yet
+    if n > model.context:
+        audio = " (audio included)" if req.audio_tokens else ""
         raise APIError(
             400,
-            f"the prompt is {len(ids)} tokens, more than the model's context of {model.context}",
-            param=param,
+            f"the prompt is {n} tokens{audio}, more than the model's context of {model.context}",
+            param=default,
             code="context_length_exceeded",
         )
-    req.prompt_tokens = len(ids)
-    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids
+    req.prompt_tokens = sum(len(p.ids) for p in req.prepared)  # a batch's prompts, each counted
+    req.prompt_ids = list(ids) if req.echo else []  # a raw prompt: <bos>, then the text's ids; or the ids given
 
 
-def _choice(build, kw: dict, index: int) -> dict:
-    """The arguments of choice `index` > 0: the first's with the seed derived for it, prepared on its own (a
-    prepared request is used once: its grammar's state follows one output)."""
-    kw = {**kw, "seed": choice_seed(kw.get("seed"), index)}
-    return kw if build is None else {"request": build(**kw)}
+def decode_media(model, req: APIRequest) -> None:
+    """The request's audio clips decoded into its prepared media (media.decode_audios): the costly half of checking
+    them, run once the request is known to fit the context and holds its place in the queue."""
+    if req.audio_tokens:
+        req.prepared = [decode_audios(p, model) for p in req.prepared]

@@ -11,7 +11,7 @@ import time
 
 from ..runtime.tokens import TokenBytes
 from .errors import APIError, error_of
-from .request import Request
+from .request import APIRequest
 from .worker import END, Echo, Job
 
 
@@ -65,12 +65,13 @@ class Render:
     the emitted text: a token's go out with the text (or reasoning, or call) it released, so a token whose
     text never comes out (a turn's end, a stop string, a character or call cut short) reports none."""
 
-    def __init__(self, req: Request, rid: str, model_name: str, vocab: Vocab):
+    def __init__(self, req: APIRequest, rid: str, model_name: str, vocab: Vocab):
         self.req, self.id, self.model, self.vocab = req, rid, model_name, vocab
         self.chat = req.kind == "chat"
         self.created = int(time.time())
         self.prompt_tokens = req.prompt_tokens  # prepare's; the last event's replaces it (see _ended)
         self.cached_tokens = 0  # prompt tokens the model's caches already held (the last event says)
+        self.speeds = (0.0, 0.0)  # the first choice's prompt and generation tokens a second (the last event says)
         self.choices = [_Choice(i) for i in range(req.n)]
         self.echo_scores: list | None = None  # Model.prompt_logprobs's, when echo asked for logprobs
 
@@ -86,9 +87,11 @@ class Render:
         """Takes the prompt's counts from a generation's last event. Its prompt_tokens is the runtime's, with
         each image's soft tokens (prepare saw one placeholder an image); a model reporting 0 keeps ours. The
         first choice's reuse is the request's: the later ones reuse the prompt it left."""
-        self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
+        if len(self.req.prompts) == 1:  # a batch's prompts were each counted by prepare
+            self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         if all(not c.done for c in self.choices):
             self.cached_tokens = ev.reused_tokens
+            self.speeds = (ev.prefill_tokens_per_s, ev.decode_tokens_per_s)
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
@@ -109,11 +112,14 @@ class Render:
         if not (ev.text or ev.reasoning or ev.tool_calls or c.held == [ev] and self.vocab.silent(ev.token)):
             return []
         out, c.held = c.held, []
+        if self.chat:  # logprobs.content covers the content alone: no thought, no call markup, no control token
+            return [e for e in out if not self.vocab.silent(e.token)] if ev.text else []
         return out
 
     def _entries(self, c: _Choice, scored) -> dict:
         """The logprobs object of `scored` ((token, logprob, top) each), in the endpoint's format; legacy
-        top_logprobs hold the `logprobs` most likely and the chosen token ({} for logprobs=0), as OpenAI's."""
+        top_logprobs hold the `logprobs` most likely and the chosen token (the chosen alone for logprobs=0: OpenAI
+        always returns the sampled token's, as vLLM does)."""
         if self.chat:
 
             def entry(token, lp):
@@ -126,7 +132,7 @@ class Render:
         for token, lp, top in scored:
             text = self.vocab(token)[0]
             alternatives = {self.vocab(a)[0]: _lp(x) for a, x in top}
-            if self.req.logprobs and lp is not None:
+            if lp is not None:
                 alternatives.setdefault(text, _lp(lp))
             out["tokens"].append(text)
             out["token_logprobs"].append(None if lp is None else _lp(lp))
@@ -141,12 +147,29 @@ class Render:
         return self._entries(c, [(ev.token, ev.logprob, ev.top_logprobs) for ev in events])
 
     def _echo(self, c: _Choice) -> tuple[str, dict | None]:
-        """A completion's echoed prompt and its tokens' logprobs (the <bos> the runtime adds is not echoed)."""
+        """A completion's echoed prompt and its tokens' logprobs (the <bos> the runtime adds to a text prompt is not
+        echoed; a prompt of ids is echoed whole). The first echoed token's logprob is null, as OpenAI's and vLLM's:
+        nothing the client sent comes before it."""
         if self.req.logprobs is None:
             return self.req.prompt_text, None
-        scores = self.echo_scores or []
-        scored = [(t, None, []) if s is None else (t, s[0], s[1]) for t, s in zip(self.req.prompt_ids[1:], scores[1:])]
+        skip = self.req.echo_from
+        scores = (self.echo_scores or [])[skip:]
+        ids = self.req.prompt_ids[skip:]
+        scored = [
+            (t, None, []) if s is None or i == 0 else (t, s[0], s[1]) for i, (t, s) in enumerate(zip(ids, scores))
+        ]
         return self.req.prompt_text, self._entries(c, scored)
+
+    def timings(self) -> dict:
+        """llama.cpp's `timings` beside `usage`: what a page shows under an answer (prompt tokens processed and
+        reused, both speeds)."""
+        return {
+            "prompt_n": self.prompt_tokens - self.cached_tokens,
+            "cache_n": self.cached_tokens,
+            "prompt_per_second": self.speeds[0],
+            "predicted_n": self.completion_tokens,
+            "predicted_per_second": self.speeds[1],
+        }
 
     @staticmethod
     def _join(a: dict | None, b: dict | None) -> dict | None:
@@ -177,7 +200,7 @@ class Render:
                 echoed, logprobs = self._echo(c) if self.req.echo else ("", None)
                 logprobs = self._join(logprobs, self._logprobs(c, released))
                 out.append({"index": c.index, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish})
-        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+        return {**self._envelope(False), "choices": out, "usage": self.usage(), "timings": self.timings()}
 
     def _chunk(self, c: _Choice, choice: dict) -> dict:
         out = {**self._envelope(True), "choices": [{"index": c.index, **choice}]}
@@ -238,7 +261,7 @@ class Render:
             end = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk(c, {**end, "logprobs": None, "finish_reason": ev.finish_reason}))
             if self.req.include_usage and all(x.done for x in self.choices):
-                out.append({**self._envelope(True), "choices": [], "usage": self.usage()})
+                out.append({**self._envelope(True), "choices": [], "usage": self.usage(), "timings": self.timings()})
         return out
 
 

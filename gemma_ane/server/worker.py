@@ -21,21 +21,22 @@ class Echo(list):
 
 
 class Job:
-    """One request: the arguments of each of its generations (`choices`, run in turn from one prompt; default
-    just `kwargs`), a cancel flag the worker checks between tokens (the runtime, between the prompt's steps and
-    prefill batches), and the asyncio queue its items come back on: (choice index, event) pairs, an error, END.
-    `score`: (prompt ids, top) to report the prompt's logprobs first, as an Echo."""
+    """One request: its Prepared generations (one a prompt: a completion may send a batch) and how many choices to
+    run in all, n a prompt in order (choice i: Model.choice, made in the worker, after the queue admitted the job), a
+    cancel flag the worker checks between tokens (the runtime, between the prompt's steps and prefill batches), and
+    the asyncio queue its items come back on: (choice index, event) pairs, an error, END. `score`: (prompt ids, top)
+    to report the prompt's logprobs first, as an Echo."""
 
     def __init__(
         self,
         rid: str,
-        kwargs: dict,
+        prepared,
         loop: asyncio.AbstractEventLoop,
-        choices: list[dict] | None = None,
+        n: int = 1,
         score: tuple[list[int], int] | None = None,
     ):
-        self.id, self.kwargs, self.loop = rid, kwargs, loop
-        self.choices, self.score = choices or [kwargs], score
+        self.id, self.prepared, self.loop = rid, prepared, loop
+        self.n, self.score = n, score
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -68,15 +69,32 @@ class Worker:
     def waiting(self) -> int:
         return self._admitted - (self.current is not None)
 
-    def submit(self, job: Job) -> bool:
+    def admit(self) -> bool:
+        """A place in the queue for a job about to be prepared (the cheap check before any per-request work), or
+        False when it is full; the caller then `run`s the job or `release`s the place."""
         with self._lock:
             if self._admitted > self.max_queue:
                 return False
             self._admitted += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def run(self, job: Job) -> None:
+        """Queue a job `admit` made room for."""
+        with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="gemma-ane-engine", daemon=True)
                 self._thread.start()
         self._jobs.put(job)
+
+    def submit(self, job: Job) -> bool:
+        """admit, then run: whether the job was queued."""
+        if not self.admit():
+            return False
+        self.run(job)
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -111,8 +129,8 @@ class Worker:
     def _generate(self, job: Job) -> None:
         if job.score is not None and not self._guarded(job, self._score, job):
             return
-        for index, kwargs in enumerate(job.choices):
-            if job.cancelled.is_set() or not self._guarded(job, self._choice, job, index, kwargs):
+        for index in range(job.n):
+            if job.cancelled.is_set() or not self._guarded(job, self._choice, job, index):
                 return
 
     def _score(self, job: Job) -> None:
@@ -135,10 +153,12 @@ class Worker:
             job.put(e)
         return False
 
-    def _choice(self, job: Job, index: int, kwargs: dict) -> None:
+    def _choice(self, job: Job, index: int) -> None:
         tokens = 0
+        per = job.n // len(job.prepared)  # a batch's prompt k runs choices k*per .. k*per+per-1
+        prepared = self.model.choice(job.prepared[index // per], index % per)
         # asked during the prompt's processing too: a client gone while a long prompt runs frees the engine
-        events = self.model.stream_generate(**kwargs, cancelled=job.cancelled.is_set)
+        events = self.model.stream_generate(request=prepared, cancelled=job.cancelled.is_set)
         try:
             for ev in events:
                 job.put((index, ev))
@@ -149,3 +169,14 @@ class Worker:
                     return
         finally:
             events.close()
+        log.info(  # one line a choice: what an operator reads to see the cache and the speeds at work
+            "%s: choice %d: prompt %d tokens (%d reused, %.1f tok/s), generated %d (%.1f tok/s), finish %s",
+            job.id,
+            index,
+            ev.prompt_tokens,
+            ev.reused_tokens,
+            ev.prefill_tokens_per_s,
+            ev.generated_tokens,
+            ev.decode_tokens_per_s,
+            ev.finish_reason,
+        )

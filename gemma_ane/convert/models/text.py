@@ -126,6 +126,10 @@ class ChunkModel(nn.Module):
         self.every_row = fn.get("every_row", False)
         self.input_names = list(fn["inputs"])
         self.output_names = list(fn["outputs"])
+        # a ladder's smaller rung (bundle.ladder) has its own, shorter full caches: buffers of its shapes to trace
+        for name, t in fn.get("states", self.chunk.states).items():
+            if tuple(getattr(self, name).shape) != t.shape:
+                self.register_buffer(name, torch.zeros(t.shape, dtype=getattr(self, name).dtype))
 
     def reset_state(self):
         for name in self.chunk.states:
@@ -254,12 +258,11 @@ class TorchChunk:
     def __init__(self, model: ChunkModel):
         self.model, self.name = model, model.chunk.name
         self.dtype = next(model.parameters()).dtype
-        states = {k: v.to_json() for k, v in model.chunk.states.items()}
         self.interfaces = {
             f: {
                 "inputs": {k: v.to_json() for k, v in io["inputs"].items()},
                 "outputs": {k: v.to_json() for k, v in io["outputs"].items()},
-                "states": states,
+                "states": {k: v.to_json() for k, v in io.get("states", model.chunk.states).items()},
             }
             for f, io in model.chunk.functions.items()
         }
@@ -269,9 +272,9 @@ class TorchChunk:
             # internal: the engine asks only for functions of the plan these interfaces were built from
             raise KeyError(f"{self.name} has no function {function!r}")
 
-    def make_state(self) -> dict | None:
-        states = self.model.chunk.states
-        return {k: torch.zeros(t.shape, dtype=self.dtype) for k, t in states.items()} if states else None
+    def make_state(self, function: str = "infer") -> dict | None:
+        states = self.interfaces[function]["states"]
+        return {k: torch.zeros(t["shape"], dtype=self.dtype) for k, t in states.items()} if states else None
 
     def predict(self, function: str, inputs: dict, state) -> dict:
         if function not in self.interfaces:

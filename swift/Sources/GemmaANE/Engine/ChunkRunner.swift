@@ -66,11 +66,19 @@ public protocol ChunkRunner: AnyObject {
     /// Makes a function ready to run. `infer` is ready once the runner is open; the others (CONTRACT §3:
     /// optional) may load on first use, and a device that cannot load one throws `.functionUnavailable`.
     func load(_ function: String) throws
-    /// A fresh, zeroed state every function of the chunk shares, or nil for a stateless chunk.
-    func makeState() throws -> ChunkState?
+    /// A fresh, zeroed state every function of the chunk shares, or nil for a stateless chunk; `function` (`infer`,
+    /// or a context ladder's rung `ctx{C}_infer`, CONTRACT §3a) decides its shapes.
+    func makeState(_ function: String) throws -> ChunkState?
     /// Runs one function. Inputs by name in the declared dtypes; outputs by name, packed.
     func predict(_ function: String, inputs: [String: Tensor], state: ChunkState?) throws -> [String: Tensor]
     /// One state's contents in its declared dtype, and back: snapshots of the caches.
     func readState(_ state: ChunkState, name: String) throws -> Tensor
     func writeState(_ state: ChunkState, name: String, _ tensor: Tensor) throws
+    /// Forgets these loaded functions (a ladder's rung left behind), whose wired weights a device then frees.
+    func release(_ functions: [String])
+}
+
+extension ChunkRunner {
+    /// A fresh state for `infer`: a single-context bundle's, or a ladder's top rung's.
+    public func makeState() throws -> ChunkState? { try makeState("infer") }
 }
