@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import publish  # noqa: E402
 
-from gemma_ane.bundle.ladder import rung_costs  # noqa: E402
 from gemma_ane.bundle.plan import ChunkPlan  # noqa: E402
+from gemma_ane.bundle.rung_cost import rung_costs  # noqa: E402
 from gemma_ane.bundle.spec import ModelSpec  # noqa: E402
 
 # Measured ANE bandwidths (GB/s), from public write-ups; ranges use their midpoint.

@@ -14,8 +14,8 @@ from margins import assert_greedy_prefix, assert_same_greedy, recorded_rows
 
 import gemma_ane
 from gemma_ane.bundle import inspect_bundle
-from gemma_ane.bundle.ladder import rung_costs
 from gemma_ane.bundle.plan import ChunkPlan
+from gemma_ane.bundle.rung_cost import rung_costs
 from gemma_ane.bundle.spec import ConfigError, ModelSpec
 from gemma_ane.convert import ConvertOptions, convert
 from gemma_ane.convert.checkpoint import Checkpoint

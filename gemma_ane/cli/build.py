@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..bundle.ladder import format_rung_costs, parse_contexts, rung_costs
+from ..bundle.ladder import parse_contexts
 from ..bundle.plan import (
     PROFILES,
     ChunkPlan,
@@ -17,6 +17,7 @@ from ..bundle.plan import (
     parse_split,
     split_for_budget,
 )
+from ..bundle.rung_cost import format_rung_costs, rung_costs
 from ..bundle.spec import ConfigError, ModelSpec
 from ..errors import ConversionError
 from ..files import write_json

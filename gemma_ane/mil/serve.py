@@ -36,7 +36,7 @@ MAX_HEADER = 1 << 20  # a header lists names and shapes: a megabyte is far past 
 DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "int32": np.dtype("<i4")}
 
 
-class ProtocolError(Exception):
+class ProtocolError(InputError):
     """A frame the server cannot read: the stream is out of step, so the server stops."""
 
 

@@ -109,7 +109,7 @@ class MILBackend:
 def smallest_infer(interfaces: dict[str, Interface]) -> str:
     """The infer function of a chunk's smallest rung (bundle.ladder): `infer` itself unless it carries a ladder."""
     rungs = rungs_of(interfaces)
-    return rung_function("infer", rungs[0], rungs[-1])
+    return rung_function("infer", rungs[0], rungs[-1]) if rungs else "infer"
 
 
 def open_mlmodel(path: Path, units, function: str):
