@@ -76,7 +76,7 @@ public struct ModelConfig: Sendable, Equatable {
                 }
             ),
             ("head", false, "\"logits\" or \"token_id\"", { $0 == .string("logits") || $0 == .string("token_id") }),
-            ("weights", false, "an object (how linear weights were compressed)", { $0.object != nil }),
+            ("weights", false, "an object: quant, bits, group_size, group_axis, keep (how linear weights were compressed)", { $0.object != nil }),
             ("rms_norm_eps", false, "a positive fp32 number", scale),
             ("final_logit_softcapping", false, "a positive fp32 number", { $0 == .null || scale($0) }),
             (
