@@ -10,10 +10,11 @@ import soundfile
 import torch
 from test_audio_prompts import tone  # a chirp with noise: every frame differs from its neighbours
 
-from gemma_ane.bundle import read_model_config
+from gemma_ane.bundle import open_bundle
 from gemma_ane.oracle.tiny import write_tiny
 from gemma_ane.oracle.verify import placeholder_ids, random_ids, verify_bundle
 from gemma_ane.runtime import audio
+from gemma_ane.runtime.device import Device
 from gemma_ane.runtime.encoder import open_audio_encoder
 
 pytestmark = pytest.mark.slow  # every shape converts a bundle
@@ -72,7 +73,7 @@ def test_soft_tokens_equal_transformers_tower_and_embedder(shaped):
 
     ckpt, bundle, clips = shaped
     oracle = Gemma4ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    encoder = open_audio_encoder(bundle, "mil", "fp32", "cpu_only", read_model_config(bundle))
+    encoder = open_audio_encoder(open_bundle(bundle, check=False), Device.of("mil", "fp32", "cpu_only"))
     for path in clips:
         x, _ = soundfile.read(path, dtype="float32")
         f = Gemma4AudioFeatureExtractor()([x], return_tensors="pt")

@@ -133,7 +133,11 @@ def test_every_command_refuses_in_one_line_naming_package_and_file(hostile, caps
             ["generate", str(bundle), "-p", "Hi", "--backend", "mil"],
         ):
             assert main(command) != 0, command
-            assert named(one_line(capsys)), command
+            if command[-1] == "--ane":  # the audit fails a package it cannot read in its report (stdout), exit 1
+                out, err = capsys.readouterr()
+                assert named(out) and "Traceback" not in err, (out, err)
+            else:
+                assert named(one_line(capsys)), command
         from gemma_ane.server.app import main as serve
 
         assert serve([str(bundle), "--backend", "mil"]) == 2
