@@ -361,7 +361,7 @@ def test_a_compiled_bundle_generates_as_the_package_bundle(compiled_bundle, tiny
     prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away"
     want = gemma_ane.load(tiny_bundle16, backend="mil").generate(prompt, **kw).tokens
     model = gemma_ane.load(compiled_bundle)  # auto: Core ML, as on a Mac
-    assert model.backend == "coreml" and "Core ML" in capsys.readouterr().err
+    assert model.backend == "coreml"
     assert model.generate(prompt, **kw).tokens == want
     assert list(model.engine.chunks[0].interfaces) == ["infer", "prefill_b8", "prefill_kv_b8"]
 

@@ -537,6 +537,8 @@ def test_core_ml_loads_the_drafter_on_first_use_or_says_it_cannot(bundle16, orac
         compiled, _ = _open(root, backend="coreml", compute_units="cpu_only")
         compiled_got = compiled.step(token, carry, P, kv)
         (root / "manifest.json").unlink()
+        _open(root, backend="coreml")  # without manifest.json: the compiled model's own metadata.json states it
+        (root / "assistant.mlmodelc" / "metadata.json").unlink()
         with pytest.raises(BundleError, match="compiled, and manifest.json states no interface for its 'draft'"):
             _open(root, backend="coreml")
     for proposal, c in (got, compiled_got):
