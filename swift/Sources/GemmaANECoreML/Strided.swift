@@ -53,6 +53,22 @@ enum Strided {
         }
     }
 
+    /// Every row's copies between packed memory and strided storage, as byte offsets (packed, stored) and a length:
+    /// a row whole where its elements are adjacent, else an element at a time. `pack` and `fill` give the direction.
+    static func copyRows(shape: [Int], strides: [Int], size: Int, _ copy: (Int, Int, Int) -> Void) {
+        let width = shape.last ?? 1
+        let step = strides.last ?? 1
+        forEachRow(shape: shape, strides: strides) { packedAt, storedAt in
+            if step == 1 {
+                copy(packedAt * size, storedAt * size, width * size)
+            } else {
+                for i in 0..<width {
+                    copy((packedAt + i) * size, (storedAt + i * step) * size, size)
+                }
+            }
+        }
+    }
+
     /// The storage bytes a multi-array of `shape` and `strides` must span.
     static func span(shape: [Int], strides: [Int], size: Int) -> Int {
         (zip(shape, strides).map { ($0 - 1) * $1 }.reduce(0, +) + 1) * size
@@ -63,8 +79,6 @@ enum Strided {
         let shape = array.shape.map(\.intValue)
         let strides = array.strides.map(\.intValue)
         let size = dtype.size
-        let width = shape.last ?? 1
-        let step = strides.last ?? 1
         var packed = Data(count: shape.reduce(1, *) * size)
         try array.withUnsafeBytes { storage in
             guard storage.count >= span(shape: shape, strides: strides, size: size), let source = storage.baseAddress
@@ -73,15 +87,8 @@ enum Strided {
             }
             packed.withUnsafeMutableBytes { out in
                 guard let target = out.baseAddress else { return }
-                forEachRow(shape: shape, strides: strides) { packedAt, storedAt in
-                    if step == 1 {
-                        (target + packedAt * size).copyMemory(from: source + storedAt * size, byteCount: width * size)
-                    } else {
-                        for i in 0..<width {
-                            (target + (packedAt + i) * size).copyMemory(
-                                from: source + (storedAt + i * step) * size, byteCount: size)
-                        }
-                    }
+                copyRows(shape: shape, strides: strides, size: size) { packedAt, storedAt, bytes in
+                    (target + packedAt).copyMemory(from: source + storedAt, byteCount: bytes)
                 }
             }
         }
@@ -92,9 +99,7 @@ enum Strided {
     static func fill(_ array: MLMultiArray, with tensor: Tensor) throws {
         let shape = tensor.shape
         let size = tensor.dtype.size
-        let width = shape.last ?? 1
         try array.withUnsafeMutableBytes { storage, strides in
-            let step = strides.last ?? 1
             guard strides.count == shape.count, storage.count >= span(shape: shape, strides: strides, size: size),
                 let target = storage.baseAddress
             else {
@@ -102,15 +107,8 @@ enum Strided {
             }
             tensor.bytes.withUnsafeBytes { packed in
                 guard let source = packed.baseAddress else { return }
-                forEachRow(shape: shape, strides: strides) { packedAt, storedAt in
-                    if step == 1 {
-                        (target + storedAt * size).copyMemory(from: source + packedAt * size, byteCount: width * size)
-                    } else {
-                        for i in 0..<width {
-                            (target + (storedAt + i * step) * size).copyMemory(
-                                from: source + (packedAt + i) * size, byteCount: size)
-                        }
-                    }
+                copyRows(shape: shape, strides: strides, size: size) { packedAt, storedAt, bytes in
+                    (target + storedAt).copyMemory(from: source + packedAt, byteCount: bytes)
                 }
             }
         }
